@@ -1,0 +1,634 @@
+"""The Clef-Omni decision API: prompt, token spans, joint schema head and answers.
+
+serve_clef's own implementation of the `joint_schema_model.py` that Cloudflare ships with its Clef-Omni release,
+compatible name for name: the same constants, functions, classes, prompt pieces, spans, head parameter names and
+answers. A Clef-Omni model directory that carries its own copy is served through that copy; this one serves every
+other directory and is the reference the tests pin (see docs/decision-api.md).
+
+Flow: `encode_record` renders a record (state, questions, media) into token ids with the spans of every question and
+option; `collate_records` batches encoded records; `ClefModel` runs the Qwen3-Omni thinker once per record and scores
+every option with `JointSchemaHead`; `systemone` validates a request and turns the option logits into answers.
+
+Dimension letters: B records, T tokens, H thinker hidden, W head width, V vocabulary, N options of a record,
+Q questions of a record.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import json
+import math
+import re
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---- constants ----------------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = (
+    "Read the complete state and schema. Decide every field jointly. "
+    "Each answer must be exactly one of that field's allowed options."
+)
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>\n"
+AUDIO_PLACEHOLDER = "<|audio_start|><|audio_pad|><|audio_end|>\n"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>\n"
+MEDIA_BATCH_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "video_second_per_grid")
+AUDIO_BATCH_KEYS = ("input_features", "feature_attention_mask")
+QUESTION_TYPES = {"noul": 0, "choice": 1, "score": 2}  # value = row of JointSchemaHead.type_embedding
+DEFAULT_MAX_LENGTH = 64000
+AUDIO_SAMPLE_RATE = 16_000
+VIDEO_FPS = 2.0
+MAX_VIDEO_FRAME_PIXELS = 256 * 32 * 32
+IMAGE_SIZE = {"shortest_edge": 65_536, "longest_edge": 1_048_576}  # pixel areas: 64 to 1,024 image tokens
+_DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+;base64,(?P<data>.+)$", re.DOTALL)
+
+_NOUL_DEFAULTS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+_PROMPT_PREFIX = "<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\nSTATE:\n"
+_PROMPT_SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    question_id: str
+    question_type: int
+    question_span: tuple[int, int]  # half-open [start, end) into input_ids
+    option_spans: tuple[tuple[int, int], ...]
+    option_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    input_ids: tuple[int, ...]
+    questions: tuple[EncodedQuestion, ...]
+    record_id: str
+    media: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+
+# ---- prompt and spans -----------------------------------------------------------------------------------------------
+
+
+def render(value: Any) -> str:
+    """Strings go to the model verbatim; everything else as compact JSON with sorted keys."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def question_options(question: dict) -> list[tuple[str, Any]]:
+    """(option_id, description) pairs in the order the model sees them."""
+    if question["type"] == "noul":
+        descriptions = dict(_NOUL_DEFAULTS)
+        descriptions.update(question.get("criteria") or {})
+        return [("true", descriptions["true"]), ("false", descriptions["false"])]
+    criteria = question["criteria"]
+    if question["type"] == "choice":
+        return sorted((str(option_id), description) for option_id, description in criteria.items())
+    return [(str(level), description) for level, description in enumerate(criteria)]
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_record(
+    tokenizer,
+    record: dict,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    max_state_tokens: int | None = None,
+    processor=None,
+) -> EncodedRecord:
+    """Token ids of one record and the spans of its questions and options.
+
+    Every prompt piece is tokenised on its own and the id lists are concatenated, exactly as the model was trained:
+    tokenising the joined text would let BPE merges cross piece boundaries. Only the end of the state is ever cut.
+    """
+    prefix_ids = _tokens(tokenizer, _PROMPT_PREFIX)
+    media_ids, media = _encode_media(processor, record)
+    state_ids = _tokens(tokenizer, render(record["state"]))
+
+    # Spans are collected relative to the start of the schema, then shifted once the state length is known.
+    schema_ids = _tokens(tokenizer, "\n\nSCHEMA FIELDS:\n")
+    schema_questions = []
+    for k, (question_id, question) in enumerate(record["questions"].items(), start=1):
+        schema_ids += _tokens(tokenizer, f"\nFIELD {k}\nID: {question_id}\nTYPE: {question['type']}\nINSTRUCTION: ")
+        instructions = question.get("instructions")
+        if instructions is None or instructions == "":
+            instructions = question_id
+        question_start = len(schema_ids)
+        schema_ids += _tokens(tokenizer, render(instructions))
+        question_span = (question_start, len(schema_ids))
+        schema_ids += _tokens(tokenizer, "\nALLOWED OPTIONS:\n")
+        option_spans, option_ids = [], []
+        for j, (option_id, description) in enumerate(question_options(question), start=1):
+            schema_ids += _tokens(tokenizer, f"OPTION {j}: ")
+            semantics = {"option_id": option_id}
+            if description is not None:
+                semantics["description"] = description
+            option_start = len(schema_ids)
+            schema_ids += _tokens(tokenizer, render(semantics))
+            option_spans.append((option_start, len(schema_ids)))
+            option_ids.append(option_id)
+            schema_ids += _tokens(tokenizer, "\n")
+        schema_ids += _tokens(tokenizer, "END FIELD\n")
+        schema_questions.append((str(question_id), QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids))
+    suffix_ids = _tokens(tokenizer, _PROMPT_SUFFIX)
+
+    if max_state_tokens is not None:
+        state_ids = state_ids[:max_state_tokens]
+    fixed = len(prefix_ids) + len(media_ids) + len(schema_ids) + len(suffix_ids)
+    if fixed > max_length:
+        raise ValueError(f"schema requires {fixed} tokens before state; maximum is {max_length}")
+    state_ids = state_ids[: max_length - fixed]
+
+    schema_offset = len(prefix_ids) + len(media_ids) + len(state_ids)
+
+    def shift(span: tuple[int, int]) -> tuple[int, int]:
+        return (span[0] + schema_offset, span[1] + schema_offset)
+
+    input_ids = tuple(prefix_ids + media_ids + state_ids + schema_ids + suffix_ids)
+    questions = tuple(
+        EncodedQuestion(
+            question_id=question_id,
+            question_type=question_type,
+            question_span=shift(question_span),
+            option_spans=tuple(shift(span) for span in option_spans),
+            option_ids=tuple(option_ids),
+        )
+        for question_id, question_type, question_span, option_spans, option_ids in schema_questions
+    )
+    if not input_ids or not questions:
+        raise ValueError("record produced no model input or questions")
+    return EncodedRecord(input_ids=input_ids, questions=questions, record_id=str(record.get("id", "unknown")), media=media)
+
+
+# ---- media ----------------------------------------------------------------------------------------------------------
+
+
+def _media_bytes(value) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str):
+        match = _DATA_URL.match(value)
+        if match:
+            return base64.b64decode(match["data"])
+        if value.startswith(("http://", "https://")):
+            return urllib.request.urlopen(value).read()
+    return Path(value).read_bytes()
+
+
+def _is_encoded(value) -> bool:
+    return isinstance(value, (bytes, bytearray, str, Path))
+
+
+def load_image(value):
+    """An RGB PIL image from a PIL image, bytes, a data URL, a URL or a path."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    try:
+        return Image.open(io.BytesIO(_media_bytes(value))).convert("RGB")
+    except (Image.UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as error:
+        raise ValueError(f"image could not be decoded: {error}") from error
+
+
+def _decode_audio(data: bytes) -> np.ndarray | None:
+    """The first audio stream of a container as 16 kHz mono float32 samples, or None when there is none."""
+    import io
+
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data))
+    except av.FFmpegError as error:
+        raise ValueError(f"media could not be decoded: {error}") from error
+    with container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=AUDIO_SAMPLE_RATE)
+        chunks = []
+        for frame in container.decode(stream):
+            chunks.extend(resampled.to_ndarray().reshape(-1) for resampled in resampler.resample(frame))
+        chunks.extend(resampled.to_ndarray().reshape(-1) for resampled in resampler.resample(None))
+    if not chunks:
+        return None
+    samples = np.concatenate(chunks).astype(np.float32, copy=False)
+    return samples if samples.size else None
+
+
+def load_audio(value) -> np.ndarray:
+    """16 kHz mono float32 samples from encoded audio, or raw samples taken as 16 kHz mono."""
+    if not _is_encoded(value):
+        return np.asarray(value, dtype=np.float32).reshape(-1)
+    samples = _decode_audio(_media_bytes(value))
+    if samples is None:
+        raise ValueError("audio has no decodable audio stream")
+    return samples
+
+
+def load_video(value) -> tuple[np.ndarray, np.ndarray | None]:
+    """Frames [T,H,W,3] sampled greedily at 2 fps (T even) and the soundtrack, or None when there is none.
+
+    A value that is not encoded is taken as frames already sampled at 2 fps and returned with no soundtrack.
+    """
+    import io
+
+    import av
+
+    if not _is_encoded(value):
+        return value, None
+    data = _media_bytes(value)
+    frames = []
+    try:
+        container = av.open(io.BytesIO(data))
+    except av.FFmpegError as error:
+        raise ValueError(f"video could not be decoded: {error}") from error
+    with container:
+        if not container.streams.video:
+            raise ValueError("video has no video stream")
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for frame in container.decode(stream):
+            if frame.time is None or frame.time + 1e-6 < len(frames) / VIDEO_FPS:
+                continue
+            scale = min(1.0, math.sqrt(MAX_VIDEO_FRAME_PIXELS / (frame.width * frame.height)))
+            width = max(2, round(frame.width * scale / 2) * 2)
+            height = max(2, round(frame.height * scale / 2) * 2)
+            frames.append(frame.to_ndarray(format="rgb24", width=width, height=height))
+    if not frames:
+        raise ValueError("video has no decodable frames")
+    if len(frames) % 2:
+        frames.append(frames[-1].copy())  # the vision tower groups frames in pairs
+    return np.stack(frames), _decode_audio(data)
+
+
+def _encode_media(processor, record: dict) -> tuple[list[int], dict | None]:
+    """Pad-expanded media token ids (images, then audio, then videos) and the processor's tensors."""
+    images = [load_image(value) for value in record.get("images") or []]
+    audio = [load_audio(value) for value in record.get("audio") or []]
+    decoded_videos = [load_video(value) for value in record.get("videos") or []]
+    if not images and not audio and not decoded_videos:
+        return [], None
+    if processor is None:
+        raise ValueError("records with images, audio, or videos require a processor")
+    videos = [frames for frames, _ in decoded_videos]
+    text = IMAGE_PLACEHOLDER * len(images) + AUDIO_PLACEHOLDER * len(audio) + VIDEO_PLACEHOLDER * len(videos)
+
+    # A soundtrack is heard only when every video has one, appended after the standalone clips.
+    use_audio_in_video = bool(videos) and all(track is not None for _, track in decoded_videos)
+    audio_sources = [None] * len(audio)
+    if use_audio_in_video:
+        audio += [track for _, track in decoded_videos]
+        audio_sources += list(range(len(videos)))
+
+    if videos:
+        options = {
+            "images_kwargs": {"size": IMAGE_SIZE},
+            "videos_kwargs": {"fps": VIDEO_FPS, "do_sample_frames": False, "use_audio_in_video": use_audio_in_video},
+        }
+    else:
+        options = {"size": IMAGE_SIZE}
+    options.update(record.get("media_kwargs") or {})
+    if use_audio_in_video and _takes_audio_from_video_indices(processor):
+        # transformers >= 5.2x must be told which audio slot belongs to which video; older ones take the order above.
+        options["audio_from_video_indices"] = audio_sources
+
+    encoded = processor(
+        text=text,
+        images=images or None,
+        audio=audio or None,
+        videos=videos or None,
+        add_special_tokens=False,
+        return_tensors="pt",
+        **options,
+    )
+    media = {key: encoded[key] for key in MEDIA_BATCH_KEYS + AUDIO_BATCH_KEYS if key in encoded}
+    media["use_audio_in_video"] = use_audio_in_video
+    return encoded["input_ids"][0].tolist(), media
+
+
+def _takes_audio_from_video_indices(processor) -> bool:
+    return "audio_from_video_indices" in inspect.signature(type(processor).__call__).parameters or any(
+        "audio_from_video_indices" in inspect.signature(base.__call__).parameters
+        for base in type(processor).__mro__
+        if "__call__" in vars(base)
+    )
+
+
+# ---- batching -------------------------------------------------------------------------------------------------------
+
+
+def collate_records(records: list[EncodedRecord], pad_token_id: int, device) -> dict:
+    """Right-padded ids and mask [B,T] plus the records' media tensors, concatenated on dim 0."""
+    longest = max(len(record.input_ids) for record in records)
+    input_ids = torch.full((len(records), longest), pad_token_id, dtype=torch.long)  # [B,T]
+    attention_mask = torch.zeros((len(records), longest), dtype=torch.long)  # [B,T]
+    for b, record in enumerate(records):
+        input_ids[b, : len(record.input_ids)] = torch.tensor(record.input_ids, dtype=torch.long)
+        attention_mask[b, : len(record.input_ids)] = 1
+
+    record_media = [record.media or {} for record in records]
+    media: dict[str, Any] = {}
+    for key in MEDIA_BATCH_KEYS:
+        present = [m[key] for m in record_media if key in m]
+        if present:
+            media[key] = torch.cat([torch.as_tensor(value) for value in present], dim=0).to(device)
+    for key in AUDIO_BATCH_KEYS:
+        present = [m[key] for m in record_media if key in m]
+        if present:
+            frames = max(value.shape[-1] for value in present)
+            media[key] = torch.cat([F.pad(value, (0, frames - value.shape[-1])) for value in present], dim=0).to(device)
+    video_flags = {bool(m.get("use_audio_in_video", False)) for m in record_media if "pixel_values_videos" in m}
+    if len(video_flags) > 1:
+        raise ValueError("videos with and without audio tracks cannot share a batch")
+    if video_flags == {True}:
+        media["use_audio_in_video"] = True
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "records": records,
+        "media": media,
+    }
+
+
+# ---- joint schema head ------------------------------------------------------------------------------------------------
+
+
+class EvidenceRoutingLayer(nn.Module):
+    """Pre-norm cross-attention from option queries to the record's memory, then a feedforward; no masks."""
+
+    def __init__(self, width: int, heads: int, feedforward: int, dropout: float = 0.0):
+        super().__init__()
+        self.query_norm = nn.LayerNorm(width)
+        self.memory_norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
+        self.attention_dropout = nn.Dropout(dropout)
+        self.feedforward_norm = nn.LayerNorm(width)
+        self.feedforward = nn.Sequential(
+            nn.Linear(width, feedforward), nn.GELU(), nn.Dropout(dropout), nn.Linear(feedforward, width), nn.Dropout(dropout)
+        )
+
+    def forward(self, queries: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:  # [1,N,W], [1,T,W] -> [1,N,W]
+        normed_memory = self.memory_norm(memory)
+        routed = self.attention(self.query_norm(queries), normed_memory, normed_memory, need_weights=False)[0]
+        queries = queries + self.attention_dropout(routed)
+        return queries + self.feedforward(self.feedforward_norm(queries))
+
+
+def _logit_scale(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.clamp(max=math.log(100.0)).exp()  # learned scale, capped at 100, no lower bound
+
+
+class JointSchemaHead(nn.Module):
+    """Scores every option of every question of a record from the thinker's final hidden states."""
+
+    def __init__(self, hidden_size, width, routing_layers, layers, heads, feedforward, dropout=0.0):
+        super().__init__()
+        self.width = width
+        self.hidden_norm = nn.LayerNorm(hidden_size)
+        self.memory_projection = nn.Linear(hidden_size, width, bias=False)
+        self.question_projection = nn.Linear(hidden_size, width, bias=False)
+        self.option_question_projection = nn.Linear(hidden_size, width, bias=False)
+        self.global_projection = nn.Linear(hidden_size, width, bias=False)
+        self.option_context_projection = nn.Linear(hidden_size, width, bias=False)
+        self.option_lexical_projection = nn.Linear(hidden_size, width, bias=False)
+        self.type_embedding = nn.Embedding(len(QUESTION_TYPES), width)
+        self.evidence_layers = nn.ModuleList(
+            EvidenceRoutingLayer(width, heads, feedforward, dropout) for _ in range(routing_layers)
+        )
+        self.option_summary_norm = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(
+            nn.TransformerDecoderLayer(
+                d_model=width,
+                nhead=heads,
+                dim_feedforward=feedforward,
+                dropout=dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(layers)
+        )
+        self.field_norm = nn.LayerNorm(width)
+        self.option_norm = nn.LayerNorm(width)
+        self.residual_scorer = nn.Sequential(
+            nn.Linear(4 * width, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, 1)
+        )
+        self.prior_logit_scale = nn.Parameter(torch.tensor(0.0))
+        self.joint_logit_scale = nn.Parameter(torch.tensor(0.0))
+        self.residual_gate = nn.Parameter(torch.tensor(0.0))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [B,T,H] thinker output after its final norm
+        input_ids: torch.Tensor,  # [B,T]
+        attention_mask: torch.Tensor,  # [B,T], right padded
+        records: list[EncodedRecord],
+        output_embedding_weight: torch.Tensor,  # [V,H] the thinker's lm_head rows
+    ) -> list[list[torch.Tensor]]:
+        normalized = self.hidden_norm(hidden_states)  # [B,T,H]
+        batch_logits = []
+        for b, record in enumerate(records):
+            length = int(attention_mask[b].sum())
+            sequence = normalized[b, :length]  # [T,H]
+            memory = self.memory_projection(sequence)[None]  # [1,T,W]
+            global_vector = sequence[-1]  # [H], the last token of "DECISIONS:"
+            question_vectors = torch.stack([sequence[s:e].mean(0) for s, e in (q.question_span for q in record.questions)])  # [Q,H]
+            type_ids = torch.tensor([q.question_type for q in record.questions], dtype=torch.long, device=sequence.device)
+
+            lexical_per_question, queries = [], []
+            for k, question in enumerate(record.questions):
+                contexts = torch.stack([sequence[s:e].mean(0) for s, e in question.option_spans])  # [n_k,H]
+                lexicals = torch.stack(
+                    [output_embedding_weight[input_ids[b, s:e]].mean(0) for s, e in question.option_spans]
+                )  # [n_k,H]
+                lexical_per_question.append(lexicals)
+                queries.append(
+                    self.option_context_projection(contexts)
+                    + self.option_lexical_projection(lexicals)
+                    + self.option_question_projection(question_vectors[k])
+                )  # [n_k,W]
+            routed = torch.cat(queries)[None]  # [1,N,W]
+            for layer in self.evidence_layers:
+                routed = layer(routed, memory)
+            routed_per_question = routed[0].split([len(q.option_spans) for q in record.questions])
+
+            base = self.question_projection(question_vectors)  # [Q,W]
+            summaries = []
+            for k, routed_options in enumerate(routed_per_question):
+                weights = torch.softmax(routed_options @ base[k] / math.sqrt(self.width), dim=0)  # [n_k]
+                summaries.append((weights[:, None] * routed_options).sum(0))  # [W]
+            fields = (
+                base
+                + self.option_summary_norm(torch.stack(summaries))
+                + self.global_projection(global_vector)[None]
+                + self.type_embedding(type_ids)
+            )  # [Q,W]
+            decoded = fields[None]  # [1,Q,W]
+            for layer in self.layers:
+                decoded = layer(decoded, memory)
+            fields = self.field_norm(decoded[0])  # [Q,W]
+
+            record_logits = []
+            for k, routed_options in enumerate(routed_per_question):
+                anchor = F.normalize(question_vectors[k] + global_vector, dim=-1)  # [H]
+                lexical = F.normalize(lexical_per_question[k], dim=-1)  # [n_k,H]
+                prior = _logit_scale(self.prior_logit_scale) * (lexical @ anchor)  # [n_k]
+                options = self.option_norm(routed_options)  # [n_k,W]
+                field_vector = fields[k].expand_as(options)  # [n_k,W]
+                cosine = F.cosine_similarity(field_vector, options, dim=-1)  # [n_k]
+                pair = torch.cat([field_vector, options, field_vector * options, (field_vector - options).abs()], dim=-1)
+                residual = self.residual_scorer(pair).squeeze(-1)  # [n_k]
+                record_logits.append(
+                    prior + torch.sigmoid(self.residual_gate) * (_logit_scale(self.joint_logit_scale) * cosine + residual)
+                )
+            batch_logits.append(record_logits)
+        return batch_logits
+
+
+# ---- the model ----------------------------------------------------------------------------------------------------------
+
+
+class ClefModel(nn.Module):
+    """The Qwen3-Omni thinker (vision and audio encoders included) with the joint schema head."""
+
+    def __init__(self, thinker, head):
+        super().__init__()
+        self.output_embeddings = thinker.lm_head
+        thinker.lm_head = nn.Identity()  # the thinker then returns its final-normed hidden states as "logits"
+        self.thinker = thinker
+        self.head = head
+
+    def forward(self, batch):
+        """Score each record of a batch separately, so padding never changes a record's probabilities."""
+        device = batch["input_ids"].device
+        logits = []
+        for record in batch["records"]:
+            logits.extend(self._forward_unpadded(collate_records([record], 0, device)))
+        return logits
+
+    def _forward_unpadded(self, batch):
+        media = dict(batch["media"])
+        use_audio_in_video = media.pop("use_audio_in_video", False)
+        dtype = self.output_embeddings.weight.dtype
+        for key in ("pixel_values", "pixel_values_videos", "input_features"):
+            if key in media:
+                media[key] = media[key].to(dtype)
+        outputs = self.thinker(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            use_cache=False,
+            output_router_logits=False,
+            use_audio_in_video=use_audio_in_video,
+            return_dict=True,
+            **media,
+        )
+        return self.head(
+            outputs.logits, batch["input_ids"], batch["attention_mask"], batch["records"], self.output_embeddings.weight
+        )
+
+
+# ---- answers --------------------------------------------------------------------------------------------------------------
+
+
+def systemone_answer(question: dict, probabilities: dict[str, float]) -> dict:
+    """One SystemOne answer from the option probabilities of a question."""
+    if question["type"] == "noul":
+        return {"type": "noul", "noul": round(probabilities["true"], 4)}
+    if question["type"] == "choice":
+        options = [str(option_id) for option_id in question["criteria"]]  # request order, not the sorted order
+        choice = max(options, key=probabilities.__getitem__)  # ties: first in request order
+        return {
+            "type": "choice",
+            "choice": choice,
+            "confidence": round(probabilities[choice], 4),
+            "probabilities": {option: round(probabilities[option], 4) for option in options},
+        }
+    levels = [str(level) for level in range(len(question["criteria"]))]
+    return {
+        "type": "score",
+        "score": round(sum(level * probabilities[str(level)] for level in range(len(levels))), 4),
+        "confidence": round(max(probabilities[level] for level in levels), 4),
+        "legend": {str(level): description for level, description in enumerate(question["criteria"])},
+        "probabilities": {level: round(probabilities[level], 4) for level in levels},
+    }
+
+
+@torch.inference_mode()
+def systemone(model, processor, request: dict, max_length: int = DEFAULT_MAX_LENGTH) -> dict:
+    """Answer one SystemOne request: every question of the record scored in one prefill pass."""
+    if not isinstance(request.get("model"), str) or "state" not in request:
+        raise ValueError("model and state are required")
+    questions = request.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        raise ValueError("at least one question is required")
+    for question_id, question in questions.items():
+        if question.get("type") not in QUESTION_TYPES:
+            raise ValueError(f"{question_id}: type must be noul, choice, or score")
+        if question["type"] != "noul" and not question.get("criteria"):
+            raise ValueError(f"{question_id}: criteria must not be empty")
+
+    encoded = encode_record(processor.tokenizer, request, max_length, processor=processor)
+    device = next(model.parameters()).device
+    logits = model(collate_records([encoded], processor.tokenizer.pad_token_id, device))[0]
+    answers = {}
+    for (question_id, question), encoded_question, question_logits in zip(questions.items(), encoded.questions, logits):
+        probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
+        answers[question_id] = systemone_answer(question, probabilities)
+    return {
+        "model": request["model"],
+        "answers": answers,
+        "usage": {"input_tokens": len(encoded.input_ids), "output_tokens": 0},
+    }
+
+
+# ---- loading a BF16 release -----------------------------------------------------------------------------------------------
+
+
+def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_pretrained_kwargs):
+    """Load a Clef-Omni release (merged thinker, joint schema head, and processor)"""
+    import safetensors.torch
+    import transformers
+    from transformers import AutoConfig, Qwen3OmniMoeForConditionalGeneration
+
+    path = Path(model_path)
+    if not path.is_dir():
+        import huggingface_hub
+
+        path = Path(huggingface_hub.snapshot_download(str(model_path)))
+    config = AutoConfig.from_pretrained(path)
+    config.enable_audio_output = False
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        backbone, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            path, config=config, dtype=dtype, device_map={"": device}, output_loading_info=True, **from_pretrained_kwargs
+        )
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    problems = {
+        "missing": list(info.get("missing_keys") or []),
+        "unexpected": [key for key in info.get("unexpected_keys") or [] if not key.startswith(("talker.", "code2wav."))],
+        "mismatched": list(info.get("mismatched_keys") or []),
+    }
+    problems = {kind: keys for kind, keys in problems.items() if keys}
+    if problems:
+        raise RuntimeError(f"Clef-Omni weights did not load cleanly: {problems}")
+    head = JointSchemaHead(**json.loads((path / "joint_head_config.json").read_text()))
+    head.load_state_dict(safetensors.torch.load_file(path / "joint_head.safetensors"), strict=True)
+    head.to(device=device, dtype=dtype)
+    processor = load_processor(path)
+    return ClefModel(backbone.thinker, head).eval(), processor
