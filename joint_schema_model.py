@@ -16,7 +16,9 @@ Q questions of a record.
 from __future__ import annotations
 
 import base64
+import contextlib
 import inspect
+import io
 import json
 import math
 import re
@@ -192,8 +194,6 @@ def _is_encoded(value) -> bool:
 
 def load_image(value):
     """An RGB PIL image from a PIL image, bytes, a data URL, a URL or a path."""
-    import io
-
     from PIL import Image
 
     if isinstance(value, Image.Image):
@@ -204,17 +204,23 @@ def load_image(value):
         raise ValueError(f"image could not be decoded: {error}") from error
 
 
-def _decode_audio(data: bytes) -> np.ndarray | None:
-    """The first audio stream of a container as 16 kHz mono float32 samples, or None when there is none."""
-    import io
-
+@contextlib.contextmanager
+def _open_media(data: bytes, what: str):
+    """A PyAV container over media bytes; any FFmpeg failure inside the block becomes a ValueError naming the medium."""
     import av
 
     try:
-        container = av.open(io.BytesIO(data))
+        with av.open(io.BytesIO(data)) as container:
+            yield container
     except av.FFmpegError as error:
-        raise ValueError(f"media could not be decoded: {error}") from error
-    with container:
+        raise ValueError(f"{what} could not be decoded: {error}") from error
+
+
+def _decode_audio(data: bytes) -> np.ndarray | None:
+    """The first audio stream of a container as 16 kHz mono float32 samples, or None when there is none."""
+    import av
+
+    with _open_media(data, "audio") as container:
         if not container.streams.audio:
             return None
         stream = container.streams.audio[0]
@@ -244,19 +250,11 @@ def load_video(value) -> tuple[np.ndarray, np.ndarray | None]:
 
     A value that is not encoded is taken as frames already sampled at 2 fps and returned with no soundtrack.
     """
-    import io
-
-    import av
-
     if not _is_encoded(value):
         return value, None
     data = _media_bytes(value)
     frames = []
-    try:
-        container = av.open(io.BytesIO(data))
-    except av.FFmpegError as error:
-        raise ValueError(f"video could not be decoded: {error}") from error
-    with container:
+    with _open_media(data, "video") as container:
         if not container.streams.video:
             raise ValueError("video has no video stream")
         stream = container.streams.video[0]
