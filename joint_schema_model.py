@@ -179,6 +179,11 @@ def encode_record(
 def _media_bytes(value) -> bytes:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
+    if isinstance(value, dict):  # {"content_type": ..., "base64": ...}, the SystemOne wire form
+        try:
+            return base64.b64decode(value["base64"], validate=True)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError("media object needs a valid 'base64' string") from error
     if isinstance(value, str):
         match = _DATA_URL.match(value)
         if match:
@@ -189,7 +194,7 @@ def _media_bytes(value) -> bytes:
 
 
 def _is_encoded(value) -> bool:
-    return isinstance(value, (bytes, bytearray, str, Path))
+    return isinstance(value, (bytes, bytearray, str, Path, dict))
 
 
 def load_image(value):
