@@ -635,3 +635,135 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
     head.to(device=device, dtype=dtype)
     processor = load_processor(path)
     return ClefModel(backbone.thinker, head).eval(), processor
+
+
+# ---- processor loading (CPU without torchvision) ----------------------------------------------------------------------
+
+
+def load_processor(path):
+    """The release's `Qwen3OmniMoeProcessor`: `AutoProcessor.from_pretrained(path)` wherever that works.
+
+    Without torchvision (the CPU machines) transformers cannot build Qwen3-Omni's video processor, so the processor is
+    assembled from the release's own files instead: its tokenizer, its image processor (the PIL variant), its
+    `WhisperFeatureExtractor`, and a `FrameVideoProcessor` configured from its video processor settings.
+    """
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import Qwen3OmniMoeProcessor
+
+    path = Path(path)
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except ImportError as error:
+        if "torchvision" not in str(error).lower():
+            raise
+    # The constructor accepts only transformers' own video processor classes, which need torchvision: this subclass
+    # also accepts a FrameVideoProcessor and is otherwise Qwen3OmniMoeProcessor unchanged.
+    processor_class = type(
+        "Qwen3OmniMoeFrameProcessor",
+        (Qwen3OmniMoeProcessor,),
+        {"check_argument_for_proper_class": _accept_frame_video_processor},
+    )
+    chat_template = path / "chat_template.jinja"
+    return processor_class(
+        image_processor=AutoImageProcessor.from_pretrained(path),
+        video_processor=FrameVideoProcessor(**_video_processor_config(path)),
+        feature_extractor=AutoFeatureExtractor.from_pretrained(path),
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        chat_template=chat_template.read_text() if chat_template.exists() else None,
+    )
+
+
+def _accept_frame_video_processor(processor, argument_name, argument):
+    from transformers.processing_utils import ProcessorMixin
+
+    if argument_name == "video_processor" and isinstance(argument, FrameVideoProcessor):
+        return FrameVideoProcessor
+    return ProcessorMixin.check_argument_for_proper_class(processor, argument_name, argument)
+
+
+def _video_processor_config(path: Path) -> dict:
+    """The video processor settings: transformers 5's processor_config.json, else the older per-processor files."""
+    processor_config = path / "processor_config.json"
+    if processor_config.exists() and "video_processor" in (config := json.loads(processor_config.read_text())):
+        return config["video_processor"]
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (path / name).exists():
+            return json.loads((path / name).read_text())
+    raise FileNotFoundError(
+        f"{path} has no video processor settings: expected processor_config.json with a 'video_processor' entry, "
+        "video_preprocessor_config.json or preprocessor_config.json"
+    )
+
+
+class FrameVideoProcessor:
+    """Qwen2-VL video preprocessing of decoded, already sampled RGB frames, in torch alone (no torchvision).
+
+    Same contract as transformers' `Qwen2VLVideoProcessor` called with `do_sample_frames=False`, and the attributes
+    `Qwen3OmniMoeProcessor` reads (`patch_size`, `temporal_patch_size`, `merge_size`, `model_input_names`). Each video
+    [T,H,W,3] is padded to a multiple of `temporal_patch_size` frames by repeating its last frame, resized to
+    `smart_resize`'s size (factor patch*merge, pixel area within `size`), rescaled and normalised with the configured
+    mean/std, and cut into patches in the same order. Outputs: `pixel_values_videos` [P, 3*t*p*p] float32 and
+    `video_grid_thw` [V,3] int64. Grids, patch layout and token counts are identical to transformers'; pixel values may
+    differ only by the resize interpolation (torch's antialiased bicubic `interpolate` here, torchvision's resize
+    there, both rounded to uint8 levels).
+    """
+
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(self, **config):
+        required = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+        if missing := [key for key in required if key not in config]:
+            raise ValueError(f"video processor settings lack {missing}: is this a Qwen3-Omni release?")
+        self.patch_size = config["patch_size"]
+        self.temporal_patch_size = config["temporal_patch_size"]
+        self.merge_size = config["merge_size"]
+        self.image_mean = list(config["image_mean"])
+        self.image_std = list(config["image_std"])
+        self.rescale_factor = config.get("rescale_factor", 1 / 255)
+        # Older configs give the pixel-area bounds as min_pixels/max_pixels.
+        self.size = dict(config.get("size") or {})
+        self.size.setdefault("shortest_edge", config.get("min_pixels"))
+        self.size.setdefault("longest_edge", config.get("max_pixels"))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({json.dumps(self.to_dict())})"
+
+    def to_dict(self) -> dict:
+        return {key: getattr(self, key) for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                                                    "image_std", "rescale_factor", "size")}
+
+    def __call__(self, videos, size=None, do_sample_frames=False, return_tensors=None, **options):
+        """`Qwen2VLVideoProcessor(videos, ...)`; decoding/sampling `options` (fps, device...) do not apply to frames."""
+        from transformers.feature_extraction_utils import BatchFeature
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        if do_sample_frames:
+            raise ValueError("FrameVideoProcessor takes frames already sampled: call it with do_sample_frames=False")
+        size = dict(size or self.size)
+        t, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        # mean and std in 0..255 units: one fused normalisation, as transformers does it.
+        mean = torch.tensor(self.image_mean).view(1, 3, 1, 1) / self.rescale_factor
+        std = torch.tensor(self.image_std).view(1, 3, 1, 1) / self.rescale_factor
+        if isinstance(videos, (np.ndarray, torch.Tensor)) and videos.ndim == 4:
+            videos = [videos]
+        patches, grids = [], []
+        for video in videos:
+            frames = torch.as_tensor(np.asarray(video))
+            if frames.ndim != 4 or frames.shape[-1] != 3:
+                raise ValueError(f"a video must be RGB frames [T,H,W,3], got shape {tuple(frames.shape)}")
+            frames = frames.permute(0, 3, 1, 2).float()  # [T,3,H,W], 0..255
+            if pad := -frames.shape[0] % t:
+                frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+            height, width = smart_resize(
+                frames.shape[2], frames.shape[3], p * m, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+            )
+            frames = F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
+            frames = (frames.round().clamp(0, 255) - mean) / std  # [T,3,h,w]
+            grid_t, grid_h, grid_w = frames.shape[0] // t, height // p, width // p
+            # [gt, t, 3, gh/m, m, p, gw/m, m, p] -> rows ordered (gt, gh/m, gw/m, m, m), each row (3, t, p, p).
+            frames = frames.view(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
+            frames = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            patches.append(frames.reshape(grid_t * grid_h * grid_w, 3 * t * p * p))
+            grids.append([grid_t, grid_h, grid_w])
+        data = {"pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids)}
+        return BatchFeature(data=data, tensor_type=return_tensors)
