@@ -644,18 +644,27 @@ def load_processor(path):
     """The release's `Qwen3OmniMoeProcessor`: `AutoProcessor.from_pretrained(path)` wherever that works.
 
     Without torchvision (the CPU machines) transformers cannot build Qwen3-Omni's video processor, so the processor is
-    assembled from the release's own files instead: its tokenizer, its image processor (the PIL variant), its
-    `WhisperFeatureExtractor`, and a `FrameVideoProcessor` configured from its video processor settings.
+    assembled from the release's own files instead (`load_frame_processor`).
     """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
-    from transformers import Qwen3OmniMoeProcessor
+    from transformers import AutoProcessor
 
-    path = Path(path)
     try:
         return AutoProcessor.from_pretrained(path)
     except ImportError as error:
         if "torchvision" not in str(error).lower():
             raise
+    return load_frame_processor(path)
+
+
+def load_frame_processor(path):
+    """The release's `Qwen3OmniMoeProcessor` built without torchvision from the release's own files.
+
+    Its tokenizer, its image processor (the PIL variant where torchvision is missing), its `WhisperFeatureExtractor`,
+    and a `FrameVideoProcessor` configured from its video processor settings.
+    """
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen3OmniMoeProcessor
+
+    path = Path(path)
     # The constructor accepts only transformers' own video processor classes, which need torchvision: this subclass
     # also accepts a FrameVideoProcessor and is otherwise Qwen3OmniMoeProcessor unchanged.
     processor_class = type(
