@@ -1,0 +1,258 @@
+"""serve_clef's checkpoint loader on tiny checkpoints: BF16 releases, exports written by ModelOpt itself (W4A4 and
+W4A16), both tensor-name layouts, the synthetic model, a model directory's own joint_schema_model.py, and broken
+checkpoints that must fail naming the tensor.
+"""
+
+import copy
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+import joint_schema_model
+import serve_clef
+
+RELEASE_FILES = ("joint_head.safetensors", "joint_head_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                 "chat_template.jinja")
+REQUEST = {
+    "model": "clef-omni",
+    "state": {"task": "Tidy the kitchen", "observation": "The sink is full of dishes and the floor is wet."},
+    "questions": {
+        "done": {"type": "noul", "instructions": "Is the task finished?"},
+        "next": {"type": "choice", "instructions": "What next?", "criteria": {"wash": "Wash the dishes", "mop": "Mop", "wait": None}},
+        "mess": {"type": "score", "instructions": "How messy is it?", "criteria": ["clean", "some mess", "chaos"]},
+    },
+}
+
+
+def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
+    """Quantize the release's thinker experts with ModelOpt (NVFP4_EXPERTS_ONLY_CFG, max calibration) on CPU and
+    export it with export_hf_checkpoint, then copy the Clef files beside it, as the recipe of doc §4.1 does."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(release)
+    config.enable_audio_output = False
+    backbone = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        release, config=config, dtype=torch.bfloat16, experts_implementation="eager"
+    )
+    quant_config = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
+    disabled = ["*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*"]
+    if weight_only:
+        disabled.append("*input_quantizer")
+    quant_config["quant_cfg"] += [{"quantizer_name": pattern, "enable": False} for pattern in disabled]
+
+    def calibrate(model):
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(4):  # enough tokens that every expert of the tiny model is routed to
+            input_ids = torch.randint(0, config.thinker_config.text_config.vocab_size, (1, 96), generator=generator)
+            model.thinker(input_ids=input_ids, use_cache=False)
+
+    mtq.quantize(backbone, quant_config, calibrate)
+    # Qwen3OmniMoeForConditionalGeneration has no usable forward; the exporter runs one (doc §4.1 step 5).
+    backbone.forward = types.MethodType(lambda self, input_ids=None, **kwargs: self.thinker(input_ids=input_ids, use_cache=False), backbone)
+    export_hf_checkpoint(backbone, export_dir=out_dir)
+    for name in RELEASE_FILES:
+        if (release / name).exists():
+            shutil.copy(release / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def nvfp4_export(tiny_release, tmp_path_factory) -> Path:
+    return modelopt_export(tiny_release, tmp_path_factory.mktemp("nvfp4_export"), weight_only=False)
+
+
+@pytest.fixture(scope="session")
+def w4a16_export(tiny_release, tmp_path_factory) -> Path:
+    return modelopt_export(tiny_release, tmp_path_factory.mktemp("w4a16_export"), weight_only=True)
+
+
+def load(model: Path | str, *flags: str) -> serve_clef.LoadedClef:
+    return serve_clef.load_clef(serve_clef.parse_args(["--model", str(model), "--device", "cpu", *flags]), progress=lambda line: None)
+
+
+def probabilities(loaded: serve_clef.LoadedClef) -> dict:
+    answers = loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)["answers"]
+    return {question: answer.get("probabilities", answer.get("noul")) for question, answer in answers.items()}
+
+
+def raw_probabilities(loaded: serve_clef.LoadedClef) -> list[torch.Tensor]:
+    """Unrounded option probabilities of REQUEST, for exact comparisons."""
+    schema = loaded.schema
+    encoded = schema.encode_record(loaded.processor.tokenizer, REQUEST, processor=loaded.processor)
+    with torch.inference_mode():
+        logits = loaded.model(schema.collate_records([encoded], loaded.processor.tokenizer.pad_token_id, "cpu"))[0]
+    return [question_logits.float().softmax(-1) for question_logits in logits]
+
+
+def rewrite_checkpoint(source: Path, destination: Path, change) -> Path:
+    """A copy of a checkpoint dir whose tensors went through change(dict) -> dict, saved as one model.safetensors."""
+    destination.mkdir()
+    for path in source.iterdir():
+        if not path.name.startswith("model"):
+            shutil.copy(path, destination / path.name)
+    tensors = dict(serve_clef.checkpoint_tensors(source))
+    safetensors.torch.save_file(change(tensors), destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+def test_quantizer_writes_the_bytes_modelopts_exporter_writes(tiny_release, nvfp4_export):
+    exported = dict(serve_clef.checkpoint_tensors(nvfp4_export))
+    ours = dict(serve_clef.quantize_experts_to_nvfp4(serve_clef.checkpoint_tensors(tiny_release), input_scale=1.0))
+    expert_names = [name for name in exported if ".experts." in name and not name.endswith("input_scale")]
+    assert len(expert_names) == 2 * 8 * 3 * 3  # layers x experts x projections x (weight, weight_scale, weight_scale_2)
+    for name in expert_names:
+        assert exported[name].dtype == ours[name].dtype and exported[name].shape == ours[name].shape, name
+        assert torch.equal(exported[name].reshape(-1).view(torch.uint8), ours[name].reshape(-1).view(torch.uint8)), name
+
+
+def test_modelopt_export_loads_and_answers(nvfp4_export):
+    loaded = load(nvfp4_export)
+    assert loaded.kind == "modelopt:NVFP4" and loaded.notice is None
+    experts = [module for module in loaded.model.modules() if isinstance(module, serve_clef.PackedNVFP4Experts)]
+    assert len(experts) == 2 and experts[0].gate_up_packed_codes.dtype == torch.uint8
+    result = loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)
+    assert list(result["answers"]) == ["done", "next", "mess"]
+    assert sum(result["answers"]["next"]["probabilities"].values()) == pytest.approx(1, abs=1e-3)
+    assert 0 <= result["answers"]["done"]["noul"] <= 1
+
+
+def to_internal_layout(tensors: dict) -> dict:
+    """Rename hub-layout keys to transformers' internal ones, as a ModelOpt export of the bare thinker writes them."""
+    renames = {"thinker.model.": "model.language_model.", "thinker.visual.": "model.visual.",
+               "thinker.audio_tower.": "model.audio_tower.", "thinker.lm_head.": "lm_head."}
+    renamed = {}
+    for name, tensor in tensors.items():
+        prefix = next(prefix for prefix in renames if name.startswith(prefix))
+        renamed[renames[prefix] + name.removeprefix(prefix)] = tensor
+    assert "model.language_model.layers.0.mlp.experts.3.up_proj.weight_scale" in renamed
+    return renamed
+
+
+def test_both_name_layouts_give_identical_probabilities(nvfp4_export, tmp_path):
+    internal = rewrite_checkpoint(nvfp4_export, tmp_path / "internal", to_internal_layout)
+    hub_probabilities = raw_probabilities(load(nvfp4_export))
+    internal_probabilities = raw_probabilities(load(internal))
+    for hub, internal in zip(hub_probabilities, internal_probabilities, strict=True):
+        assert torch.equal(hub, internal)
+
+
+def test_packed_and_unpacked_experts_give_identical_probabilities(nvfp4_export):
+    packed = raw_probabilities(load(nvfp4_export))
+    unpacked_model = load(nvfp4_export, "--no-packed-nvfp4")
+    assert not any(isinstance(module, serve_clef.PackedNVFP4Experts) for module in unpacked_model.model.modules())
+    for packed_question, unpacked_question in zip(packed, raw_probabilities(unpacked_model), strict=True):
+        assert torch.equal(packed_question, unpacked_question)
+
+
+def test_simulated_fp4_activations_change_the_answers(nvfp4_export):
+    w4a16 = raw_probabilities(load(nvfp4_export))
+    w4a4 = raw_probabilities(load(nvfp4_export, "--simulate-fp4-activations"))
+    assert any(not torch.equal(a, b) for a, b in zip(w4a16, w4a4, strict=True))
+    assert all(torch.allclose(a, b, atol=0.2) for a, b in zip(w4a16, w4a4, strict=True))
+
+
+def test_bf16_release_answers_like_load_release_model(tiny_release):
+    loaded = load(tiny_release)
+    assert loaded.kind == "bf16"
+    reference_model, reference_processor = joint_schema_model.load_release_model(tiny_release, device="cpu")
+    reference = joint_schema_model.systemone(reference_model, reference_processor, REQUEST)
+    assert loaded.schema.systemone(loaded.model, loaded.processor, REQUEST) == reference
+
+
+def test_w4a16_export_refuses_simulated_activations(w4a16_export):
+    assert json.loads((w4a16_export / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    assert load(w4a16_export).kind == "modelopt:W4A16_NVFP4"
+    with pytest.raises(serve_clef.CheckpointError, match="--simulate-fp4-activations.*W4A16_NVFP4"):
+        load(w4a16_export, "--simulate-fp4-activations")
+
+
+def test_bf16_release_refuses_simulated_activations(tiny_release):
+    with pytest.raises(serve_clef.CheckpointError, match="--simulate-fp4-activations.*bf16"):
+        load(tiny_release, "--simulate-fp4-activations")
+
+
+def without(name):
+    def change(tensors):
+        del tensors[name]
+        return tensors
+    return change
+
+
+def with_nan_scale_byte(name):
+    def change(tensors):
+        scale_bytes = tensors[name].view(torch.uint8).clone()
+        scale_bytes[1, 0] = 0x7F
+        tensors[name] = scale_bytes.view(torch.float8_e4m3fn)
+        return tensors
+    return change
+
+
+def with_scaled(name, factor):
+    def change(tensors):
+        tensors[name] = tensors[name] * factor
+        return tensors
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, tensor_named",
+    [
+        (without("thinker.model.layers.1.mlp.experts.5.down_proj.weight_scale"), "layers.1.mlp.experts.5.down_proj.weight_scale"),
+        (without("thinker.model.layers.0.self_attn.q_proj.weight"), "layers.0.self_attn.q_proj.weight"),
+        (with_nan_scale_byte("thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"), "thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"),
+        (with_scaled("thinker.model.layers.1.mlp.experts.4.up_proj.input_scale", 1.5), "thinker.model.layers.1.mlp.experts.4.up_proj.input_scale"),
+        (with_scaled("thinker.model.layers.0.mlp.experts.6.down_proj.input_scale", 0.5), "thinker.model.layers.0.mlp.experts.6.down_proj.input_scale"),
+        (with_scaled("thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 2.0), "thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2"),
+    ],
+    ids=["missing-expert-tensor", "missing-attention-weight", "nan-scale-byte", "unequal-gate-up-input-scale",
+         "unequal-down-input-scale", "unequal-gate-up-weight-scale-2"],
+)
+def test_broken_checkpoints_fail_naming_the_tensor(nvfp4_export, tmp_path, change, tensor_named):
+    broken = rewrite_checkpoint(nvfp4_export, tmp_path / "broken", change)
+    with pytest.raises(serve_clef.CheckpointError, match=tensor_named.replace(".", r"\.")):
+        load(broken)
+
+
+def test_unknown_tensor_fails_naming_it(nvfp4_export, tmp_path):
+    def add_stray(tensors):
+        tensors["thinker.model.layers.0.mlp.shared_expert.weight"] = torch.zeros(4)
+        return tensors
+
+    broken = rewrite_checkpoint(nvfp4_export, tmp_path / "stray", add_stray)
+    with pytest.raises(serve_clef.CheckpointError, match=r"thinker\.model\.layers\.0\.mlp\.shared_expert\.weight"):
+        load(broken)
+
+
+def test_synthetic_loads_offline_with_its_notice():
+    loaded = load("synthetic")
+    assert loaded.kind == "modelopt:NVFP4" and loaded.model_id == "synthetic"
+    assert "meaningless" in loaded.notice
+    answers = loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)["answers"]
+    assert answers["mess"]["type"] == "score"
+
+
+def test_model_directory_with_its_own_joint_schema_model_is_served_through_it(nvfp4_export, tmp_path):
+    own = tmp_path / "own"
+    shutil.copytree(nvfp4_export, own)
+    source = Path(joint_schema_model.__file__).read_text()
+    marked = source.replace('        return {"type": "noul", "noul": round(', '        return {"type": "noul", "marker": "own copy", "noul": round(')
+    assert marked != source
+    (own / "joint_schema_model.py").write_text(marked)
+    loaded = load(own)
+    assert loaded.schema is not joint_schema_model
+    assert Path(loaded.schema.__file__) == own / "joint_schema_model.py"
+    assert loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)["answers"]["done"]["marker"] == "own copy"
+
+
+def test_hub_id_that_cannot_be_downloaded_fails_with_one_clear_line():
+    with pytest.raises(serve_clef.CheckpointError, match="--model DIR") as failure:
+        load("nobody/no-such-clef-model")
+    assert "\n" not in str(failure.value)
