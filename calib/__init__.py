@@ -1,0 +1,1 @@
+"""Calibration, NVFP4 quantization (ModelOpt) and parity measurement for Clef-Omni checkpoints."""

@@ -1,0 +1,218 @@
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#   "torch>=2.9",
+#   "transformers>=5.17",
+#   "safetensors",
+#   "tokenizers",
+#   "huggingface_hub",
+#   "numpy",
+#   "pillow",
+#   "av",
+#   "fastapi",
+#   "uvicorn",
+#   "requests",
+# ]
+# ///
+"""Parity of two Clef-Omni checkpoints on the held-out records (docs/nvfp4-checkpoints.md §6).
+
+    python calib/parity.py REFERENCE CANDIDATE [--records 128] [--simulate-fp4-activations] [--out parity.json]
+
+Both checkpoints are loaded with serve_clef's `load_clef`, so they run the code that serves them. For every question
+of every record, p = fp32 softmax of the joint head's option logits; the report gives top-1 agreement, the total
+variation TV = 0.5 * sum_o |p_ref(o) - p_cand(o)| (mean, p95, max), every flipped question with the reference's top-1
+minus top-2 margin (a flip with a small margin is noise, one with a large margin is damage), tokens, and forward
+milliseconds. When the reference is BF16 the report also holds its noise floor: the same weights through the other
+experts kernel (eager against grouped_mm), so a candidate's TV can be read against what kernel order alone moves.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: find serve_clef, joint_schema_model and calib
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@torch.inference_mode()
+def score_records(loaded, records: list[dict], max_length: int | None = None) -> list[dict]:
+    """Per question of every record, in order: ids, option ids, fp32 probabilities, the record's tokens and ms."""
+    schema, processor, model = loaded.schema, loaded.processor, loaded.model
+    device = next(model.parameters()).device
+    scored = []
+    for record in records:
+        encoded = schema.encode_record(processor.tokenizer, record, max_length or schema.DEFAULT_MAX_LENGTH,
+                                       processor=processor)
+        batch = schema.collate_records([encoded], processor.tokenizer.pad_token_id, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        logits = model(batch)[0]  # one 1-D tensor of option logits per question
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        forward_ms = (time.perf_counter() - started) * 1000
+        for question, question_logits in zip(encoded.questions, logits):
+            scored.append({
+                "record_id": encoded.record_id, "question_id": question.question_id,
+                "option_ids": list(question.option_ids),
+                "probabilities": question_logits.float().softmax(-1).tolist(),
+                "tokens": len(encoded.input_ids), "forward_ms": forward_ms,
+            })
+    return scored
+
+
+def compare(reference: list[dict], candidate: list[dict]) -> dict:
+    """Top-1 agreement, TV statistics and flips of a candidate's per-question probabilities against a reference's."""
+    if [(r["record_id"], r["question_id"], r["option_ids"]) for r in reference] != \
+            [(c["record_id"], c["question_id"], c["option_ids"]) for c in candidate]:
+        raise ValueError("reference and candidate scored different questions or options: use the same records")
+    total_variations, flips = [], []
+    max_abs_difference = 0.0
+    for ref, cand in zip(reference, candidate):
+        p, q = np.asarray(ref["probabilities"]), np.asarray(cand["probabilities"])
+        total_variations.append(0.5 * float(np.abs(p - q).sum()))
+        max_abs_difference = max(max_abs_difference, float(np.abs(p - q).max()))
+        if int(p.argmax()) != int(q.argmax()):
+            top2 = np.sort(p)[-2:]
+            flips.append({"record_id": ref["record_id"], "question_id": ref["question_id"],
+                          "reference_top1": ref["option_ids"][int(p.argmax())],
+                          "candidate_top1": cand["option_ids"][int(q.argmax())],
+                          "reference_margin": float(top2[1] - top2[0]), "tv": total_variations[-1]})
+    return {
+        "questions": len(reference),
+        "top1_agreement": 1.0 - len(flips) / len(reference),
+        "mean_tv": float(np.mean(total_variations)),
+        "p95_tv": float(np.percentile(total_variations, 95)),
+        "max_tv": float(np.max(total_variations)),
+        "max_abs_dp": max_abs_difference,
+        "flips": sorted(flips, key=lambda flip: -flip["reference_margin"]),
+    }
+
+
+def _per_record(scored: list[dict], key: str) -> list[float]:
+    return list({s["record_id"]: s[key] for s in scored}.values())
+
+
+def _forward_ms(scored: list[dict]) -> dict:
+    per_record = _per_record(scored, "forward_ms")
+    return {"median": float(np.median(per_record)), "p95": float(np.percentile(per_record, 95))}
+
+
+def _experts_implementation(model) -> str | None:
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation"):
+            return module.config._experts_implementation
+    return None
+
+
+def _set_experts_implementation(model, name: str) -> None:
+    # The experts modules dispatch on their own (text) config at every call, so this switches the kernel in place.
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation"):
+            module.config._experts_implementation = name
+
+
+def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[str], list[dict]]:
+    """The noise-floor run: a BF16 model scored again through the other experts kernel (eager <-> grouped_mm)."""
+    current = _experts_implementation(loaded.model)
+    if current is None:
+        raise ValueError(f"{loaded.checkpoint_dir} has no transformers experts modules to switch (packed experts?)")
+    other = "eager" if current != "eager" else "grouped_mm"
+    _set_experts_implementation(loaded.model, other)
+    try:
+        return [current, other], score_records(loaded, records)
+    finally:
+        _set_experts_implementation(loaded.model, current)
+
+
+def describe(loaded) -> dict:
+    return {"checkpoint": str(loaded.checkpoint_dir), "kind": loaded.kind}
+
+
+def parity_report(reference: dict, candidate: dict, reference_scores: list[dict], candidate_scores: list[dict],
+                  noise_floor: tuple[list[str], list[dict]] | None = None) -> dict:
+    """The report (see the module doc); `reference` / `candidate` describe the checkpoints (`describe`)."""
+    tokens = _per_record(reference_scores, "tokens")
+    report = {
+        "reference": reference,
+        "candidate": candidate,
+        "records": len(tokens),
+        "tokens": {"total": int(sum(tokens)), "per_record_mean": float(np.mean(tokens))},
+        "forward_ms": {"reference": _forward_ms(reference_scores), "candidate": _forward_ms(candidate_scores)},
+        "candidate_vs_reference": compare(reference_scores, candidate_scores),
+        "noise_floor": None,
+        "per_question": [
+            {"record_id": ref["record_id"], "question_id": ref["question_id"], "option_ids": ref["option_ids"],
+             "reference": ref["probabilities"], "candidate": cand["probabilities"]}
+            for ref, cand in zip(reference_scores, candidate_scores)
+        ],
+    }
+    if noise_floor is not None:
+        implementations, floor_scores = noise_floor
+        report["noise_floor"] = {"experts_implementations": implementations, **compare(reference_scores, floor_scores)}
+    return report
+
+
+def print_summary(report: dict) -> None:
+    rows = [("candidate vs reference", report["candidate_vs_reference"])]
+    if report["noise_floor"] is not None:
+        rows.append(("BF16 noise floor ({} vs {})".format(*report["noise_floor"]["experts_implementations"]),
+                     report["noise_floor"]))
+    print(f"reference {report['reference']['kind']} {report['reference']['checkpoint']}")
+    print(f"candidate {report['candidate']['kind']} {report['candidate']['checkpoint']}")
+    print(f"{'':34} {'top-1':>7} {'mean TV':>8} {'p95 TV':>8} {'max TV':>8} {'flips':>9}")
+    for label, stats in rows:
+        print(f"{label:34} {stats['top1_agreement']:7.3f} {stats['mean_tv']:8.4f} {stats['p95_tv']:8.4f} "
+              f"{stats['max_tv']:8.4f} {len(stats['flips']):4d}/{stats['questions']}")
+    forward_ms = report["forward_ms"]
+    print(f"{report['records']} records, {report['tokens']['total']} tokens; forward ms median/p95: reference "
+          f"{forward_ms['reference']['median']:.1f}/{forward_ms['reference']['p95']:.1f}, candidate "
+          f"{forward_ms['candidate']['median']:.1f}/{forward_ms['candidate']['p95']:.1f}")
+    for flip in report["candidate_vs_reference"]["flips"]:
+        print(f"  flip {flip['record_id']} {flip['question_id']}: {flip['reference_top1']} -> "
+              f"{flip['candidate_top1']} (reference margin {flip['reference_margin']:.3f}, TV {flip['tv']:.3f})")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reference", help="reference checkpoint (normally the BF16 release): directory or hub id")
+    parser.add_argument("candidate", help="candidate checkpoint (normally the NVFP4 export): directory or hub id")
+    parser.add_argument("--records", type=int, default=128, help="held-out records (1..128, default 128)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--simulate-fp4-activations", action="store_true",
+                        help="run the candidate with serve_clef's W4A4 activation replay")
+    parser.add_argument("--out", type=Path, help="write the JSON report here")
+    args = parser.parse_args(argv)
+
+    import serve_clef
+    from calib.records import evaluation_records
+
+    records = evaluation_records(args.records)
+    # One checkpoint in memory at a time: BF16 Clef-Omni alone takes ~64 GB.
+    reference = serve_clef.load_clef(serve_clef.parse_args(["--model", args.reference, "--device", args.device]))
+    reference_scores = score_records(reference, records)
+    noise_floor = score_with_other_experts_kernel(reference, records) if reference.kind == "bf16" else None
+    reference_description = describe(reference)
+    del reference
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    candidate_flags = ["--simulate-fp4-activations"] if args.simulate_fp4_activations else []
+    candidate = serve_clef.load_clef(serve_clef.parse_args(["--model", args.candidate, "--device", args.device]
+                                                           + candidate_flags))
+    report = parity_report(reference_description, describe(candidate), reference_scores,
+                           score_records(candidate, records), noise_floor)
+    print_summary(report)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
