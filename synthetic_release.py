@@ -233,8 +233,7 @@ def _train_tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    # Repeating the corpus fixes merge priorities for its frequent words without changing what is learned.
-    tokenizer.train_from_iterator(CORPUS * 8, trainer=trainer)
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
     tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(token, normalized=False, special=False) for token in ADDED_TOKENS])
     tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in AUDIO_SPECIAL_TOKENS])
