@@ -614,6 +614,9 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
         path = Path(huggingface_hub.snapshot_download(str(model_path)))
     config = AutoConfig.from_pretrained(path)
     config.enable_audio_output = False
+    # Let transformers report shape mismatches in the loading info instead of raising a message without names:
+    # they are refused below all the same, now naming each tensor.
+    from_pretrained_kwargs.setdefault("ignore_mismatched_sizes", True)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
