@@ -667,27 +667,28 @@ def synthetic_wav(seconds: float = 1.5) -> bytes:
     return buffer.getvalue()
 
 
-def synthetic_mp4(with_audio: bool) -> bytes:
-    """VIDEO_SECONDS of moving-gradient frames at VIDEO_FPS (mpeg4), optionally with a 16 kHz mono AAC sine track."""
+def synthetic_mp4(with_audio: bool, seconds: int = VIDEO_SECONDS, size: tuple[int, int] = VIDEO_SIZE) -> bytes:
+    """`seconds` of moving-gradient frames of `size` (width, height) at VIDEO_FPS (mpeg4), optionally with a 16 kHz
+    mono AAC sine track."""
     import io
     from fractions import Fraction
 
     import av
     import numpy as np
 
-    width, height = VIDEO_SIZE
+    width, height = size
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
         video = container.add_stream("mpeg4", rate=VIDEO_FPS)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
         audio = container.add_stream("aac", rate=AUDIO_RATE, layout="mono") if with_audio else None
         y, x = np.mgrid[0:height, 0:width]
-        for index in range(VIDEO_FPS * VIDEO_SECONDS):
+        for index in range(VIDEO_FPS * seconds):
             pixels = np.stack([(x + 8 * index) % 256, (y * 4) % 256, np.full_like(x, 16 * index)], axis=-1)  # [h,w,3]
             container.mux(video.encode(av.VideoFrame.from_ndarray(pixels.astype(np.uint8), format="rgb24")))
         container.mux(video.encode())
         if audio is not None:
-            samples = _sine(VIDEO_SECONDS, 330.0)
+            samples = _sine(seconds, 330.0)
             chunk = 1024  # one AAC frame
             for start in range(0, len(samples), chunk):
                 frame = av.AudioFrame.from_ndarray(samples[None, start : start + chunk], format="flt", layout="mono")
