@@ -356,7 +356,8 @@ def main(argv=None) -> dict:
     if args.resume and not state_path.exists():
         raise SystemExit(f"--resume: {state_path} does not exist; run without --resume to calibrate")
     if args.out.exists() and any(args.out.iterdir()):
-        raise SystemExit(f"{args.out} is not empty: remove it or choose another output directory")
+        raise SystemExit(f"{args.out} is not empty: remove it or choose another output directory (a calibration "
+                         f"state {state_path.name} beside it survives that and is reused with --resume)")
     started = time.perf_counter()
     backbone, clef, processor = load_for_calibration(args.release, args.device)
     if args.resume:
