@@ -21,25 +21,43 @@ decisions, HTTP.
 """
 
 import argparse
+import base64
+import binascii
+import contextlib
+import gc
+import hmac
+import http
 import importlib.util
+import io
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import av
 import huggingface_hub
+import numpy as np
+import PIL.Image
 import safetensors
 import safetensors.torch
 import torch
 import transformers
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 import joint_schema_model
@@ -708,5 +726,546 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
 
 
 # ==== decisions =======================================================================================================
+# A request is checked field by field (systemone-api.md §2) before anything is decoded; then its media are decoded and
+# measured; then the release's own `systemone()` scores it under a lock: one decision at a time per device, and the
+# fast tokenizer (not thread safe) is never used from two threads at once.
+
+MiB = 1024 * 1024
+MAX_QUESTIONS = 64
+MAX_CHOICE_OPTIONS = 255
+MIN_SCORE_LEVELS, MAX_SCORE_LEVELS = 2, 10
+# field: (max items, accepted content types, max decoded bytes per item)
+MEDIA_LIMITS = {
+    "images": (4, ("image/png", "image/jpeg", "image/jpg", "image/webp"), 4 * MiB),
+    "audio": (4, ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/mpeg", "audio/mp3"), 8 * MiB),
+    "videos": (2, ("video/mp4", "video/webm"), 16 * MiB),
+}
+MAX_IMAGE_BYTES_TOTAL = 8 * MiB
+MAX_AUDIO_VIDEO_BYTES_TOTAL = 16 * MiB
+MAX_IMAGE_PIXELS = 16_000_000
+MAX_AUDIO_SECONDS = 300
+MAX_VIDEO_SECONDS = 60
+MEDIA_DATA_URL = re.compile(r"^data:(?P<content_type>[\w.+-]+/[\w.+-]+);base64,(?P<data>.*)$", re.DOTALL)
+INLINE_MEDIA = "send it inline as a data URL (data:<type>;base64,<data>) or as {\"content_type\": ..., \"base64\": ...}"
+
+
+class RequestError(Exception):
+    """A refused request: HTTP status, the path of the offending field (FastAPI style), a message and an error type."""
+
+    def __init__(self, status: int, loc: tuple, message: str, error_type: str = "value_error"):
+        super().__init__(message)
+        self.status = status
+        self.loc = loc
+        self.message = message
+        self.error_type = error_type
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _is_description(value: Any) -> bool:
+    """Instructions and option descriptions are text or JSON: a string, an object, an array or null."""
+    return value is None or isinstance(value, (str, dict, list))
+
+
+def _invalid(loc: tuple, message: str, error_type: str = "value_error") -> RequestError:
+    return RequestError(422, ("body", *loc), message, error_type)
+
+
+def _validate_question(question_id: str, question: Any) -> None:
+    loc = ("questions", question_id)
+    if question_id == "":
+        raise _invalid(loc, "question ids must be non-empty strings")
+    if not isinstance(question, dict):
+        raise _invalid(loc, f"{question_id}: a question must be an object with a type, not {json_type(question)}")
+    question_type = question.get("type")
+    if question_type not in ("noul", "choice", "score"):
+        raise _invalid((*loc, "type"), f"{question_id}: type must be noul, choice, or score")
+    if not _is_description(question.get("instructions")):
+        raise _invalid(
+            (*loc, "instructions"),
+            f"{question_id}: instructions must be a string, an object, an array or null, "
+            f"not {json_type(question['instructions'])}",
+        )
+    criteria = question.get("criteria")
+    loc = (*loc, "criteria")
+    if question_type == "noul":
+        if criteria is not None and not isinstance(criteria, dict):
+            raise _invalid(loc, f"{question_id}: noul criteria must be an object with keys \"true\" and/or \"false\"")
+        descriptions = {key: value for key, value in (criteria or {}).items() if key in ("true", "false")}
+    elif question_type == "choice":
+        if criteria is None:
+            raise _invalid(loc, f"{question_id}: a choice needs at least two options; criteria is missing", "missing")
+        if not isinstance(criteria, dict):
+            raise _invalid(
+                loc, f"{question_id}: choice criteria must be an object mapping option id to description, "
+                f"not {json_type(criteria)}"
+            )
+        if len(criteria) < 2:
+            raise _invalid(loc, f"{question_id}: a choice needs at least two options; got {len(criteria)}")
+        if len(criteria) > MAX_CHOICE_OPTIONS:
+            raise _invalid(
+                loc, f"{question_id}: {len(criteria)} options given; at most {MAX_CHOICE_OPTIONS} options per choice"
+            )
+        descriptions = criteria
+    else:
+        if criteria is None:
+            raise _invalid(loc, f"{question_id}: a score takes 2 to 10 levels; criteria is missing", "missing")
+        if not isinstance(criteria, list):
+            raise _invalid(
+                loc, f"{question_id}: score criteria must be an array of level descriptions, lowest first, "
+                f"not {json_type(criteria)}"
+            )
+        if not MIN_SCORE_LEVELS <= len(criteria) <= MAX_SCORE_LEVELS:
+            raise _invalid(loc, f"{question_id}: a score takes 2 to 10 levels; got {len(criteria)}")
+        descriptions = dict(enumerate(criteria))
+    for option_id, description in descriptions.items():
+        if not _is_description(description):
+            raise _invalid(
+                (*loc, option_id),
+                f"{question_id}: the description of option {option_id} must be a string, an object, an array or "
+                f"null, not {json_type(description)}",
+            )
+
+
+def _media_item(field_name: str, index: int, item: Any) -> tuple[str, str]:
+    """(content type, base64 text) of one media item, refusing anything that is not inline data."""
+    loc, name = (field_name, index), f"{field_name}[{index}]"
+    if isinstance(item, dict):
+        content_type, data = item.get("content_type"), item.get("base64")
+        if not isinstance(content_type, str) or not isinstance(data, str):
+            raise _invalid(loc, f"{name}: a media object needs the string fields content_type and base64")
+    elif isinstance(item, str):
+        match = MEDIA_DATA_URL.match(item)
+        if match is None:
+            if "://" in item[:16]:
+                raise _invalid(loc, f"{name} is a remote URL: the server never fetches URLs; {INLINE_MEDIA}")
+            if item.startswith("data:"):
+                raise _invalid(loc, f"{name} is not a base64 data URL; {INLINE_MEDIA}")
+            raise _invalid(loc, f"{name} looks like a file path: the server never reads files; {INLINE_MEDIA}")
+        content_type, data = match["content_type"], match["data"]
+    else:
+        raise _invalid(loc, f"{name} must be a data URL or a {{content_type, base64}} object, not {json_type(item)}")
+    accepted = MEDIA_LIMITS[field_name][1]
+    content_type = content_type.strip().lower()
+    if content_type not in accepted:
+        raise _invalid(loc, f"{name} has content type {content_type!r}; {field_name} accept {', '.join(accepted)}")
+    return content_type, data
+
+
+def validate_request(request: Any) -> tuple[dict, bool]:
+    """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate).
+
+    The record keeps only the fields systemone reads (unknown fields are ignored, `media_kwargs` is refused), and its
+    media items become (content type, base64 text) pairs for `decode_media`.
+    """
+    if not isinstance(request, dict):
+        raise RequestError(400, ("body",), f"the body must be a JSON object, not {json_type(request)}", "invalid_body")
+    for name in ("model", "state", "questions"):
+        if name not in request:
+            raise _invalid((name,), f"{name} is required", "missing")
+    if not isinstance(request["model"], str) or not request["model"]:
+        raise _invalid(("model",), f"model must be a non-empty string, not {json_type(request['model'])}")
+    if not isinstance(request["state"], (str, dict, list)):
+        raise _invalid(("state",), f"state must be a string, an object or an array, not {json_type(request['state'])}")
+    questions = request["questions"]
+    if not isinstance(questions, dict):
+        raise _invalid(("questions",), f"questions must be an object mapping question id to question, "
+                       f"not {json_type(questions)}")
+    if not 1 <= len(questions) <= MAX_QUESTIONS:
+        raise _invalid(("questions",), f"questions holds 1 to {MAX_QUESTIONS} entries; got {len(questions)}")
+    for question_id, question in questions.items():
+        _validate_question(question_id, question)
+    truncate = request.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _invalid(("truncate",), f"truncate must be true or false, not {json_type(truncate)}")
+    if "media_kwargs" in request:
+        raise _invalid(("media_kwargs",), "media_kwargs is not accepted over the network: the server sets the "
+                       "processor options itself; remove the field")
+
+    record = {name: request[name] for name in ("id", "model", "state", "questions") if name in request}
+    for field_name, (max_items, _, _) in MEDIA_LIMITS.items():
+        items = request.get(field_name)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise _invalid((field_name,), f"{field_name} must be an array, not {json_type(items)}")
+        if len(items) > max_items:
+            raise _invalid((field_name,), f"{field_name} holds at most {max_items} items; got {len(items)}")
+        record[field_name] = [_media_item(field_name, index, item) for index, item in enumerate(items)]
+    return record, truncate
+
+
+def _decode_base64(text: str, loc: tuple) -> bytes:
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except binascii.Error as error:
+        raise _invalid(loc, f"{loc[0]}[{loc[1]}] is not valid base64: {error}") from None
+
+
+def _decode_image(data: bytes, loc: tuple) -> PIL.Image.Image:
+    """The decoded image: PNG, JPEG or WebP of at most 16 megapixels (checked before the pixels are decoded)."""
+    name = f"{loc[0]}[{loc[1]}]"
+    try:
+        image = PIL.Image.open(io.BytesIO(data))
+        if image.format not in ("PNG", "JPEG", "WEBP"):
+            raise _invalid(loc, f"{name} is {image.format}; images must be PNG, JPEG or WebP")
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise _invalid(loc, f"{name} has {width}x{height} pixels; at most 16 megapixels per image")
+        image.load()
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as error:
+        raise _invalid(loc, f"{name} could not be decoded as an image: {error}") from None
+    return image
+
+
+def _decode_audio_clip(data: bytes, loc: tuple, schema: types.ModuleType) -> np.ndarray:
+    """16 kHz mono samples of a WAV or MP3 clip of at most 300 s, measured on the decoded samples."""
+    name = f"{loc[0]}[{loc[1]}]"
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            container_format = container.format.name
+        if container_format not in ("wav", "mp3"):
+            raise _invalid(loc, f"{name} is {container_format}; audio must be WAV or MP3")
+        samples = schema.load_audio(data)
+    except (av.FFmpegError, ValueError) as error:
+        raise _invalid(loc, f"{name} could not be decoded as audio: {error}") from None
+    seconds = len(samples) / schema.AUDIO_SAMPLE_RATE
+    if seconds > MAX_AUDIO_SECONDS:
+        raise _invalid(loc, f"{name} lasts {seconds:.1f} s; at most {MAX_AUDIO_SECONDS} s per clip")
+    return samples
+
+
+def _check_video(data: bytes, loc: tuple) -> None:
+    """Refuse a video that is not MP4 or WebM, has no decodable frame, or lasts over 60 s by its decoded frames."""
+    name = f"{loc[0]}[{loc[1]}]"
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            container_formats = container.format.name.split(",")
+            if "mp4" not in container_formats and "webm" not in container_formats:
+                raise _invalid(loc, f"{name} is {container.format.name}; videos must be MP4 or WebM")
+            if not container.streams.video:
+                raise _invalid(loc, f"{name} has no video stream")
+            decoded_frames = 0
+            for frame in container.decode(video=0):
+                decoded_frames += 1
+                if frame.time is not None and frame.time > MAX_VIDEO_SECONDS:
+                    raise _invalid(loc, f"{name} lasts over {MAX_VIDEO_SECONDS} s; at most {MAX_VIDEO_SECONDS} s each")
+    except (av.FFmpegError, ValueError) as error:
+        raise _invalid(loc, f"{name} could not be decoded as a video: {error}") from None
+    if decoded_frames == 0:
+        raise _invalid(loc, f"{name} has no decodable frames")
+
+
+def decode_media(record: dict, schema: types.ModuleType) -> dict:
+    """The record with its media decoded and measured against the limits of systemone-api.md §2.4.
+
+    Every size is checked before any medium is decoded. Images become PIL images and audio clips 16 kHz samples,
+    which systemone takes as they are; videos stay bytes, checked here, because systemone reads their soundtrack
+    from the container.
+    """
+    data = {}  # field -> decoded base64 bytes of each item
+    for field_name, (_, _, max_item_bytes) in MEDIA_LIMITS.items():
+        data[field_name] = [_decode_base64(text, (field_name, index)) for index, (_, text) in
+                            enumerate(record.get(field_name, []))]
+        for index, item in enumerate(data[field_name]):
+            if len(item) > max_item_bytes:
+                raise _invalid((field_name, index), f"{field_name}[{index}] is {len(item) / MiB:.1f} MiB decoded; "
+                               f"at most {max_item_bytes // MiB} MiB each")
+    image_bytes = sum(len(item) for item in data["images"])
+    if image_bytes > MAX_IMAGE_BYTES_TOTAL:
+        raise _invalid(("images",), f"images total {image_bytes / MiB:.1f} MiB decoded; at most "
+                       f"{MAX_IMAGE_BYTES_TOTAL // MiB} MiB per request")
+    audio_video_bytes = sum(len(item) for item in data["audio"] + data["videos"])
+    if audio_video_bytes > MAX_AUDIO_VIDEO_BYTES_TOTAL:
+        raise _invalid(("audio",), f"audio and videos total {audio_video_bytes / MiB:.1f} MiB decoded; at most "
+                       f"{MAX_AUDIO_VIDEO_BYTES_TOTAL // MiB} MiB per request")
+
+    decoded = dict(record)
+    if data["images"]:
+        decoded["images"] = [_decode_image(item, ("images", index)) for index, item in enumerate(data["images"])]
+    if data["audio"]:
+        decoded["audio"] = [_decode_audio_clip(item, ("audio", index), schema) for index, item in
+                            enumerate(data["audio"])]
+    if data["videos"]:
+        for index, item in enumerate(data["videos"]):
+            _check_video(item, ("videos", index))
+        decoded["videos"] = data["videos"]
+    return decoded
+
+
+def decide(loaded: LoadedClef, request: Any, max_length: int, lock: threading.Lock) -> dict:
+    """Answer one SystemOne request (systemone-api.md §3), or raise RequestError saying why it is refused."""
+    started = time.perf_counter()
+    record, truncate = validate_request(request)
+    record = decode_media(record, loaded.schema)
+    schema, processor = loaded.schema, loaded.processor
+    out_of_memory = False
+    try:
+        with lock:
+            if not truncate:
+                # The reference always cuts the state to fit; a caller who refuses truncation gets 413 instead.
+                encoded = schema.encode_record(processor.tokenizer, record, sys.maxsize, processor=processor)
+                needed = len(encoded.input_ids)
+                if needed > max_length:
+                    raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} "
+                                       f"tokens and truncate is false; maximum is {max_length}", "context_too_long")
+            response = schema.systemone(loaded.model, processor, record, max_length)
+    except torch.OutOfMemoryError:
+        out_of_memory = True  # memory is freed below, once the exception (and the frames it holds) is gone
+    except (av.FFmpegError, ValueError) as error:
+        if "maximum is" in str(error):
+            raise RequestError(413, ("body",), f"maximum context length: {error}", "context_too_long") from None
+        raise _invalid((), str(error)) from None
+    if out_of_memory:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise RequestError(413, ("body",), "too many tokens: the device ran out of memory scoring this request; send "
+                           "a shorter state or fewer or smaller media", "too_many_tokens")
+    response["usage"]["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    return response
+
+
 
 # ==== HTTP ============================================================================================================
+# FastAPI app over `decide`: the port opens at once and the model loads in a background thread; until it is ready the
+# decision and health endpoints answer 503. Every error body has the shapes of systemone-api.md §6.1.
+
+MAX_BODY_BYTES = 13 * MiB
+RETRY_AFTER_S = 10
+SERVED_NAME = "clef-omni"
+CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
+ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, error_type: str, loc: tuple = ("body",)) -> dict:
+    """422: FastAPI's `detail` list beside the SystemOne `error`; other statuses: TypeSafe's `detail` object instead."""
+    if status == 422:
+        param = ".".join(str(part) for part in loc[1:]) or None
+        return {
+            "detail": [{"loc": list(loc), "msg": message, "type": error_type}],
+            "error": {"message": message, "type": "invalid_request_error", "param": param},
+        }
+    return {
+        "detail": {"error_type": error_type, "message": message},
+        "error": {"message": message, "type": ERROR_CATEGORY.get(status, "invalid_request_error")},
+    }
+
+
+def error_response(error: RequestError, **fields: Any) -> JSONResponse:
+    """The JSON response for a refusal, with `fields` placed before the error keys."""
+    headers = {}
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if error.error_type == "model_loading":
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    body = {**fields, **error_body(error.status, error.message, error.error_type, error.loc)}
+    return JSONResponse(body, error.status, headers)
+
+
+class ClefService:
+    """What the endpoints share: the model once loaded (or why loading failed) and the lock of its device."""
+
+    def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):
+        self.args = args
+        self.load = load
+        self.loaded: LoadedClef | None = None
+        self.load_error: str | None = None
+        self.lock = threading.Lock()
+
+    def load_in_background(self) -> None:
+        try:
+            self.loaded = self.load(self.args, progress=console)
+        except Exception as error:  # whatever went wrong is reported by /healthz; the server keeps answering
+            self.load_error = f"the model failed to load: {error}"
+            if not isinstance(error, CheckpointError):
+                traceback.print_exc()
+            console(f"serve_clef: {self.load_error}")
+            return
+        console(f"serve_clef: ready: {self.loaded.model_id} ({self.loaded.kind}) loaded in {self.loaded.load_s:.1f} s")
+
+    def ready(self) -> LoadedClef:
+        """The loaded model, or a 503 saying it is still loading or failed to load."""
+        if self.loaded is not None:
+            return self.loaded
+        if self.load_error is not None:
+            raise RequestError(503, ("body",), self.load_error, "load_failed")
+        raise RequestError(503, ("body",), "model loading", "model_loading")
+
+    def check_api_key(self, request: Request) -> None:
+        if not self.args.api_key:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.args.api_key.encode()):
+            raise RequestError(401, ("header", "authorization"), "a valid API key is required: send "
+                               "Authorization: Bearer <key>", "unauthorized")
+
+
+async def read_json_body(request: Request) -> Any:
+    """The parsed body: 415 if not JSON, 413 over 13 MiB (declared or streamed), 400 if it does not parse."""
+    media_type = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise RequestError(415, ("header", "content-type"), f"the body must be application/json, not {media_type}",
+                           "unsupported_media_type")
+    too_large = RequestError(413, ("body",), f"the body is over {MAX_BODY_BYTES // MiB} MiB", "request_too_large")
+    declared_length = request.headers.get("content-length", "")
+    if declared_length.isdigit() and int(declared_length) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+
+    def refuse_constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(body, parse_constant=refuse_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(400, ("body",), f"the body is not valid JSON: {error}", "invalid_json") from None
+
+
+def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:
+    """The HTTP app; its startup begins loading the model with `load` (default `load_clef`) in a background thread."""
+    service = ClefService(args, load or load_clef)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=service.load_in_background, name="serve_clef-load", daemon=True).start()
+        yield
+
+    app = FastAPI(title="serve_clef", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, error: RequestError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        detail = [{"loc": list(item["loc"]), "msg": item["msg"], "type": item["type"]} for item in error.errors()]
+        body = error_body(422, detail[0]["msg"], detail[0]["type"], tuple(detail[0]["loc"]))
+        return JSONResponse({"detail": detail, "error": body["error"]}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        error_type = http.HTTPStatus(error.status_code).phrase.lower().replace(" ", "_")
+        return error_response(RequestError(error.status_code, ("body",), str(error.detail), error_type))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> JSONResponse:
+        return error_response(RequestError(500, ("body",), f"internal error: {type(error).__name__}: {error}",
+                                           "internal_error"))
+
+    @app.post("/v1/systemone")
+    async def systemone(request: Request) -> JSONResponse:
+        service.check_api_key(request)
+        loaded = service.ready()
+        payload = await read_json_body(request)
+        # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
+        response = await run_in_threadpool(decide, loaded, payload, args.max_length, service.lock)
+        return JSONResponse(response)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        service.check_api_key(request)
+        names = [SERVED_NAME] + ([args.model] if args.model != SERVED_NAME else [])
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": CLEF_OMNI_RELEASED, "owned_by": "cloudflare"}
+                     for name in names],
+            "models": [{"name": name, "description": f"Clef-Omni decisions, served from {args.model}",
+                        "release_date": "2026-10-09"} for name in names],
+        }
+
+    @app.get("/health")
+    @app.get("/healthz")
+    async def health() -> JSONResponse:
+        try:
+            loaded = service.ready()
+        except RequestError as error:
+            return error_response(error, ready=False, model_id=args.model)
+        return JSONResponse({"ready": True, "model_id": loaded.model_id, "kind": loaded.kind,
+                             "load_s": round(loaded.load_s, 3), "notice": loaded.notice})
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        return {"live": True}
+
+    return app
+
+
+DEMO_REQUEST = {
+    "model": SERVED_NAME,
+    "state": {
+        "ticket": "My order #1042 arrived with a cracked screen and I was charged twice. I need this fixed today.",
+        "customer": {"plan": "pro", "orders": 12, "previous_complaints": 1},
+    },
+    "questions": {
+        "urgent": {"type": "noul", "instructions": "Does the customer need an answer today?"},
+        "team": {
+            "type": "choice",
+            "instructions": "Which team should handle the ticket?",
+            "criteria": {"billing": "charges and refunds", "shipping": "damaged or lost parcels", "technical": None},
+        },
+        "frustration": {
+            "type": "score",
+            "instructions": "How frustrated is the customer?",
+            "criteria": ["calm", "annoyed", "angry"],
+        },
+    },
+}
+
+
+def console(line: str) -> None:
+    """Progress and notices go to stderr, so that --demo and --request print nothing but JSON on stdout."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def answer_once(args: argparse.Namespace) -> int:
+    """--demo / --request FILE: load the model, answer one request, print the response JSON."""
+    request = DEMO_REQUEST
+    if args.request:
+        try:
+            request = json.loads(Path(args.request).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            console(f"serve_clef: cannot read the request file {args.request}: {error}")
+            return 2
+    try:
+        validate_request(request)  # a malformed request is refused before the model is loaded for nothing
+        loaded = load_clef(args, progress=console)  # prints the synthetic notice, if any
+        response = decide(loaded, request, args.max_length, threading.Lock())
+    except CheckpointError as error:
+        console(f"serve_clef: {error}")
+        return 2
+    except RequestError as error:
+        where = ".".join(str(part) for part in error.loc[1:])
+        console(f"serve_clef: the request is refused with HTTP {error.status}{f' at {where}' if where else ''}: "
+                f"{error.message}")
+        return 2
+    print(json.dumps(response, indent=2, ensure_ascii=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.demo or args.request:
+        return answer_once(args)
+    uvicorn.run(create_app(args), host=args.host, port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,630 @@
+"""serve_clef's decision and HTTP side, against a real uvicorn server serving `--model synthetic`.
+
+Answers are checked against expectations computed here, independently of the server: answer shapes and key order
+from systemone-api.md §3, probabilities that sum to 1, the choice as the first argmax in request order, the score as
+Σ i·p_i of the returned probabilities, and usage.input_tokens as the length `joint_schema_model.encode_record` gives
+for the same request. Every refusal of §6 is checked for its status, its phrase and its body shape, and the server is
+asked a good question after each one.
+"""
+
+import base64
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+import uvicorn
+
+import joint_schema_model
+import serve_clef
+
+API_KEY = "test-key"
+MAX_LENGTH = 2048  # the shared server's --max-length: small, so that context limits are cheap to reach
+TIMEOUT_S = 60
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SERVER_ARGS = ["--model", "synthetic", "--device", "cpu", "--max-length", str(MAX_LENGTH)]
+
+GOOD_REQUEST = {
+    "model": "jev-latest",
+    "state": {"order": 1042, "status": "damaged", "notes": ["customer called twice", "refund requested"]},
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Should the customer be refunded?"},
+        "team": {
+            "type": "choice",
+            "instructions": "Which team handles this?",
+            # request order differs from the sorted order the model sees
+            "criteria": {"shipping": "damaged parcels", "billing": {"handles": ["refunds"]}, "returns": None},
+        },
+        "severity": {"type": "score", "instructions": "How severe is it?", "criteria": ["minor", "moderate", "major"]},
+    },
+}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def data_url(content_type: str, data: bytes) -> str:
+    return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
+
+
+def wait_until_ready(base_url: str, limit_s: float = 240.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert process is None or process.poll() is None, "the server exited while loading"
+        with contextlib.suppress(requests.ConnectionError):
+            if requests.get(f"{base_url}/healthz", timeout=TIMEOUT_S).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{base_url} was not ready within {limit_s} s")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """Base URL of one `serve_clef.py --model synthetic` process (API key required), shared by the whole session."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    port = free_port()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, serve_clef.__file__, *SERVER_ARGS, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "SERVE_CLEF_API_KEY": API_KEY},
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(base_url, process=process)
+        yield base_url
+        assert process.poll() is None, "the server died during the tests:\n" + log_path.read_text()[-4000:]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_release):
+    """The processor of the synthetic release (`--model synthetic` is the tiny release with seed 0, quantized)."""
+    return joint_schema_model.load_processor(tiny_release)
+
+
+def post(base_url: str, body, headers: dict | None = None) -> requests.Response:
+    headers = {**AUTH, **(headers or {})}
+    if isinstance(body, dict):
+        return requests.post(f"{base_url}/v1/systemone", json=body, headers=headers, timeout=TIMEOUT_S)
+    return requests.post(f"{base_url}/v1/systemone", data=body, headers=headers, timeout=TIMEOUT_S)  # raw bytes
+
+
+def check_answers(request: dict, response: dict, processor, max_length: int = MAX_LENGTH) -> None:
+    """The response of systemone-api.md §3 for `request`, recomputed from the returned probabilities."""
+    assert list(response) == ["model", "answers", "usage"]
+    assert response["model"] == request["model"]
+    assert list(response["answers"]) == list(request["questions"])
+    for question_id, question in request["questions"].items():
+        answer = response["answers"][question_id]
+        assert answer["type"] == question["type"]
+        if question["type"] == "noul":
+            assert list(answer) == ["type", "noul"]
+            assert 0.0 <= answer["noul"] <= 1.0
+            continue
+        probabilities = answer["probabilities"]
+        assert abs(sum(probabilities.values()) - 1.0) <= 0.01
+        assert all(0.0 <= p <= 1.0 for p in probabilities.values())
+        assert answer["confidence"] == max(probabilities.values())  # the reference's confidence: max p
+        if question["type"] == "choice":
+            assert list(answer) == ["type", "choice", "confidence", "probabilities"]
+            assert list(probabilities) == list(question["criteria"])  # request order, not the sorted order
+            first_argmax = next(key for key, p in probabilities.items() if p == max(probabilities.values()))
+            assert answer["choice"] == first_argmax
+        else:
+            levels = [str(level) for level in range(len(question["criteria"]))]
+            assert list(answer) == ["type", "score", "confidence", "legend", "probabilities"]
+            assert list(probabilities) == levels
+            assert answer["legend"] == dict(zip(levels, question["criteria"]))
+            expected_score = sum(level * probabilities[str(level)] for level in range(len(levels)))
+            # each returned p is off by at most 5e-5 (rounding), so Σ i·p by at most 5e-5·Σ i, plus its own rounding
+            assert abs(answer["score"] - expected_score) <= 5e-5 * (sum(range(len(levels))) + 1)
+    encoded = joint_schema_model.encode_record(processor.tokenizer, request, max_length, processor=processor)
+    assert response["usage"]["input_tokens"] == len(encoded.input_ids)
+    assert response["usage"]["output_tokens"] == 0
+
+
+def answers_of(response: requests.Response) -> dict:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    del body["usage"]["latency_ms"]
+    return body
+
+
+# ---- answers ---------------------------------------------------------------------------------------------------------
+
+
+def test_text_request_answers(server, processor):
+    response = post(server, GOOD_REQUEST)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    check_answers(GOOD_REQUEST, response.json(), processor)
+
+
+def test_any_model_name_and_unicode_ids_are_echoed(server, processor):
+    request = {
+        "model": "clef-omni",
+        "state": "Le colis est arrivé cassé 📦",
+        "questions": {"é q.1 📦": {"type": "choice", "criteria": {"oui": "yes", "non": "no"}}},
+        "id": "record-7",
+        "an_unknown_field": {"ignored": True},
+    }
+    response = post(server, request)
+    assert response.status_code == 200, response.text
+    check_answers(request, response.json(), processor)
+
+
+def test_long_state_is_truncated_to_the_context(server, processor):
+    request = {**GOOD_REQUEST, "state": "the parcel was late again " * 2000}
+    response = post(server, request)
+    assert response.status_code == 200, response.text
+    check_answers(request, response.json(), processor)
+    assert response.json()["usage"]["input_tokens"] == MAX_LENGTH
+
+
+def test_image_request(server, processor, png_bytes):
+    as_object = {"content_type": "image/png", "base64": base64.b64encode(png_bytes).decode()}
+    request = {**GOOD_REQUEST, "images": [data_url("image/png", png_bytes), as_object]}
+    response = post(server, request)
+    assert response.status_code == 200, response.text
+    check_answers(request, response.json(), processor)
+    text_only_tokens = post(server, GOOD_REQUEST).json()["usage"]["input_tokens"]
+    assert response.json()["usage"]["input_tokens"] >= text_only_tokens + 2 * 64  # each image costs 64+ tokens
+
+
+def test_audio_request(server, processor, wav_bytes):
+    request = {**GOOD_REQUEST, "audio": [data_url("audio/wav", wav_bytes)]}
+    response = post(server, request)
+    assert response.status_code == 200, response.text
+    check_answers(request, response.json(), processor)
+
+
+@pytest.mark.parametrize("video", ["mp4_with_audio_bytes", "mp4_silent_bytes"])
+def test_video_request(server, processor, video, request):
+    body = {**GOOD_REQUEST, "videos": [data_url("video/mp4", request.getfixturevalue(video))]}
+    response = post(server, body)
+    assert response.status_code == 200, response.text
+    check_answers(body, response.json(), processor)
+
+
+def test_concurrent_requests_equal_sequential_answers(server):
+    bodies = [{**GOOD_REQUEST, "state": f"ticket {index}: the parcel arrived {index} days late"} for index in range(8)]
+    sequential = [answers_of(post(server, body)) for body in bodies]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        concurrent = list(pool.map(lambda body: answers_of(post(server, body)), bodies))
+    assert concurrent == sequential
+    assert len({json.dumps(answer["answers"]) for answer in sequential}) > 1  # the states do reach the model
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------------
+
+
+def with_question(question: dict) -> dict:
+    return {**GOOD_REQUEST, "questions": {"q1": question}}
+
+
+def media(field_name: str, item) -> dict:
+    return {**GOOD_REQUEST, field_name: [item]}
+
+
+TINY_PNG_B64 = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\x00" * 32).decode()  # a PNG signature, then garbage
+UNPROCESSABLE = [
+    # (request, phrase the message must contain, param)
+    ({"state": "s", "questions": {"q": {"type": "noul"}}}, "model is required", "model"),
+    ({**GOOD_REQUEST, "model": 7}, "model must be a non-empty string", "model"),
+    ({**GOOD_REQUEST, "model": ""}, "model must be a non-empty string", "model"),
+    ({**GOOD_REQUEST, "state": None}, "state must be", "state"),
+    ({**GOOD_REQUEST, "state": 3.5}, "state must be", "state"),
+    ({**GOOD_REQUEST, "state": True}, "state must be", "state"),
+    ({"model": "m", "state": "s"}, "questions is required", "questions"),
+    ({**GOOD_REQUEST, "questions": {}}, "1 to 64", "questions"),
+    ({**GOOD_REQUEST, "questions": [{"type": "noul"}]}, "questions must be an object", "questions"),
+    ({**GOOD_REQUEST, "questions": {f"q{i}": {"type": "noul"} for i in range(65)}}, "1 to 64", "questions"),
+    (with_question({"type": "ranking", "criteria": ["a", "b"]}), "type must be noul, choice, or score",
+     "questions.q1.type"),
+    (with_question("noul"), "a question must be an object", "questions.q1"),
+    (with_question({"type": "noul", "instructions": 5}), "instructions must be", "questions.q1.instructions"),
+    (with_question({"type": "noul", "criteria": ["yes"]}), "noul criteria must be an object", "questions.q1.criteria"),
+    (with_question({"type": "choice"}), "a choice needs at least two options", "questions.q1.criteria"),
+    (with_question({"type": "choice", "criteria": {}}), "a choice needs at least two options", "questions.q1.criteria"),
+    (with_question({"type": "choice", "criteria": {"a": "x"}}), "a choice needs at least two options",
+     "questions.q1.criteria"),
+    (with_question({"type": "choice", "criteria": {f"o{i}": None for i in range(256)}}), "options per choice",
+     "questions.q1.criteria"),
+    (with_question({"type": "choice", "criteria": ["a", "b"]}), "choice criteria must be an object",
+     "questions.q1.criteria"),
+    (with_question({"type": "choice", "criteria": {"a": 1, "b": "x"}}), "description of option a",
+     "questions.q1.criteria.a"),
+    (with_question({"type": "score", "criteria": []}), "a score takes 2 to 10 levels", "questions.q1.criteria"),
+    (with_question({"type": "score", "criteria": ["only"]}), "a score takes 2 to 10 levels", "questions.q1.criteria"),
+    (with_question({"type": "score", "criteria": [str(i) for i in range(11)]}), "a score takes 2 to 10 levels",
+     "questions.q1.criteria"),
+    (with_question({"type": "score", "criteria": {"low": "l", "high": "h"}}), "score criteria must be an array",
+     "questions.q1.criteria"),
+    ({**GOOD_REQUEST, "truncate": "no"}, "truncate must be true or false", "truncate"),
+    ({**GOOD_REQUEST, "media_kwargs": {"size": {"longest_edge": 10**9}}}, "media_kwargs is not accepted",
+     "media_kwargs"),
+    ({**GOOD_REQUEST, "images": "data:image/png;base64,AAAA"}, "images must be an array", "images"),
+    ({**GOOD_REQUEST, "images": [f"data:image/png;base64,{TINY_PNG_B64}"] * 5}, "at most 4", "images"),
+    (media("images", "https://example.com/cat.png"), "remote URL", "images.0"),
+    (media("videos", "http://127.0.0.1:1/clip.mp4"), "remote URL", "videos.0"),
+    (media("images", "/etc/hostname"), "file path", "images.0"),
+    (media("audio", "clip.wav"), "file path", "audio.0"),
+    (media("images", 42), "must be a data URL or a {content_type, base64} object", "images.0"),
+    (media("images", {"content_type": "image/png"}), "content_type and base64", "images.0"),
+    (media("images", "data:image/gif;base64,R0lGODlhAQABAAAAACw="), "content type 'image/gif'", "images.0"),
+    (media("images", "data:image/png;base64,@@not base64@@"), "not valid base64", "images.0"),
+    (media("images", {"content_type": "image/png", "base64": "abc"}), "not valid base64", "images.0"),
+    (media("images", f"data:image/png;base64,{TINY_PNG_B64}"), "could not be decoded", "images.0"),
+    (media("audio", data_url("audio/wav", b"RIFF\x10\x00\x00\x00WAVEjunkjunk")), "could not be decoded", "audio.0"),
+    (media("videos", data_url("video/mp4", b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)), "could not be decoded",
+     "videos.0"),
+]
+
+
+def check_error_body(response: requests.Response, status: int, phrase: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    if status == 422:
+        assert list(body) == ["detail", "error"]
+        assert all(list(item) == ["loc", "msg", "type"] for item in body["detail"])
+        assert phrase in body["detail"][0]["msg"]
+        assert body["error"]["type"] == "invalid_request_error"
+    else:
+        assert list(body["detail"]) == ["error_type", "message"]
+        assert phrase in body["detail"]["message"]
+    assert phrase in body["error"]["message"]
+    return body
+
+
+@pytest.mark.parametrize("request_body, phrase, param", UNPROCESSABLE)
+def test_unprocessable_requests_get_422_naming_the_field(server, request_body, phrase, param):
+    body = check_error_body(post(server, request_body), 422, phrase)
+    assert body["error"]["param"] == param
+    assert body["detail"][0]["loc"] == ["body", *(int(part) if part.isdigit() else part for part in param.split("."))]
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_image_over_16_megapixels_is_refused_before_decoding(server):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (5000, 4000)).save(buffer, format="PNG")  # 20 MP, a few KB compressed
+    response = post(server, media("images", data_url("image/png", buffer.getvalue())))
+    body = check_error_body(response, 422, "16 megapixels")
+    assert body["error"]["param"] == "images.0"
+
+
+@pytest.fixture(scope="session")
+def long_wav_bytes() -> bytes:
+    """301 s of silence as 8 kHz 8-bit WAV: 2.4 MB, under every size limit, over the 300 s limit."""
+    import io
+
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(301 * 8000, dtype=np.float32), 8000, format="WAV", subtype="PCM_U8")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def long_mp4_bytes() -> bytes:
+    """62 s of 16x16 mpeg4 video at 1 fps: a few KB, over the 60 s limit."""
+    import io
+
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=1)
+        stream.width, stream.height, stream.pix_fmt = 16, 16, "yuv420p"
+        for second in range(62):
+            pixels = np.full((16, 16, 3), second * 4, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def test_media_limits_measured_on_the_decoded_media(server, png_bytes, wav_bytes, mp4_silent_bytes, long_wav_bytes,
+                                                    long_mp4_bytes):
+    import io
+
+    from PIL import Image
+
+    gif = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(gif, format="GIF")
+    megabytes = b"\x00" * (3 * 1024 * 1024)
+    refusals = [
+        (media("images", data_url("image/png", gif.getvalue())), "images must be PNG, JPEG or WebP", "images.0"),
+        (media("audio", data_url("audio/wav", mp4_silent_bytes)), "audio must be WAV or MP3", "audio.0"),
+        (media("videos", data_url("video/mp4", wav_bytes)), "videos must be MP4 or WebM", "videos.0"),
+        (media("images", data_url("image/png", png_bytes + b"\x00" * (4 * 1024 * 1024))), "at most 4 MiB", "images.0"),
+        ({**GOOD_REQUEST, "images": [data_url("image/png", megabytes)] * 3}, "at most 8 MiB per request", "images"),
+        (media("audio", data_url("audio/wav", long_wav_bytes)), "at most 300 s", "audio.0"),
+        (media("videos", data_url("video/mp4", long_mp4_bytes)), "at most 60 s", "videos.0"),
+    ]
+    for request, phrase, param in refusals:
+        body = check_error_body(post(server, request), 422, phrase)
+        assert body["error"]["param"] == param
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, phrase",
+    [
+        (b'{"model": "m", "state": ', "not valid JSON"),
+        (b"\xff\xfe not utf-8", "not valid JSON"),
+        (b'{"model": "m", "state": NaN, "questions": {}}', "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b'["model", "state"]', "must be a JSON object"),
+        (b'"just a string"', "must be a JSON object"),
+    ],
+)
+def test_bodies_that_are_not_json_objects_get_400(server, body, phrase):
+    check_error_body(post(server, body, {"Content-Type": "application/json"}), 400, phrase)
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_non_json_content_type_gets_415(server):
+    response = post(server, json.dumps(GOOD_REQUEST), {"Content-Type": "text/plain"})
+    check_error_body(response, 415, "application/json")
+
+
+def test_body_over_13_mib_gets_413_before_parsing(server):
+    oversized = b'{"model": "m", "state": "' + b"a" * (13 * 1024 * 1024) + b'", "questions": {}}'
+    check_error_body(post(server, oversized), 413, "13 MiB")
+
+    def chunks():  # no Content-Length: the server has to count the streamed bytes
+        for start in range(0, len(oversized), 1 << 20):
+            yield oversized[start : start + (1 << 20)]
+
+    check_error_body(post(server, chunks(), {"Content-Type": "application/json"}), 413, "13 MiB")
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_state_that_does_not_fit_with_truncate_false_gets_413(server):
+    request = {**GOOD_REQUEST, "state": "the parcel was late again " * 2000, "truncate": False}
+    check_error_body(post(server, request), 413, "maximum context length")
+    assert post(server, {**request, "state": "short"}).status_code == 200
+
+
+def test_schema_that_does_not_fit_gets_413_whatever_truncate_says(server):
+    long_options = {f"option {i}": "a long description of this option " * 20 for i in range(40)}
+    request = {**GOOD_REQUEST, "questions": {"q1": {"type": "choice", "criteria": long_options}}}
+    for truncate in (True, False):
+        body = check_error_body(post(server, {**request, "truncate": truncate}), 413, "maximum context length")
+        assert body["detail"]["error_type"] == "context_too_long"
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = requests.post(f"{server}/v1/systemone", json=GOOD_REQUEST, headers=headers, timeout=TIMEOUT_S)
+        check_error_body(response, 401, "API key")
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert requests.get(f"{server}/v1/models", timeout=TIMEOUT_S).status_code == 401
+    assert requests.get(f"{server}/healthz", timeout=TIMEOUT_S).status_code == 200  # probes need no key
+
+
+def test_unknown_paths_and_methods_use_the_error_shape(server):
+    check_error_body(requests.get(f"{server}/v2/nothing", headers=AUTH, timeout=TIMEOUT_S), 404, "Not Found")
+    check_error_body(requests.get(f"{server}/v1/systemone", headers=AUTH, timeout=TIMEOUT_S), 405, "Method Not Allowed")
+
+
+# ---- models and health -----------------------------------------------------------------------------------------------
+
+
+def test_models_lists_clef_omni_and_the_checkpoint(server):
+    body = requests.get(f"{server}/v1/models", headers=AUTH, timeout=TIMEOUT_S).json()
+    assert body["object"] == "list"
+    assert [entry["id"] for entry in body["data"]] == ["clef-omni", "synthetic"]
+    assert all(entry["object"] == "model" and entry["owned_by"] == "cloudflare" for entry in body["data"])
+    assert body["models"][0]["name"] == "clef-omni" and body["models"][0]["release_date"] == "2026-10-09"
+
+
+def test_health_when_ready(server):
+    for path in ("/health", "/healthz"):
+        body = requests.get(f"{server}{path}", timeout=TIMEOUT_S).json()
+        assert body["ready"] is True
+        assert body["model_id"] == "synthetic"
+        assert body["kind"] == "modelopt:NVFP4"
+        assert body["load_s"] > 0
+    assert requests.get(f"{server}/livez", timeout=TIMEOUT_S).status_code == 200
+
+
+# ---- in-process servers: loading, load failure, out of memory --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """A real uvicorn server for `app` on a free loopback port, in a thread of this process."""
+    port = free_port()
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uvicorn_server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def args():
+    """Command-line arguments of an in-process server without an API key."""
+    parsed = serve_clef.parse_args([*SERVER_ARGS, "--api-key", ""])
+    assert not parsed.api_key
+    return parsed
+
+
+@pytest.fixture(scope="session")
+def loaded(args):
+    return serve_clef.load_clef(args, progress=lambda line: None)
+
+
+def test_503_while_loading_then_ready(args, loaded, processor):
+    release_load = threading.Event()
+
+    def held_back_load(args, progress):
+        assert release_load.wait(TIMEOUT_S)
+        return loaded
+
+    with serve_in_thread(serve_clef.create_app(args, load=held_back_load)) as base_url:
+        for path in ("/health", "/healthz"):
+            response = requests.get(f"{base_url}{path}", timeout=TIMEOUT_S)
+            body = check_error_body(response, 503, "model loading")
+            assert body["ready"] is False
+            assert int(response.headers["Retry-After"]) > 0
+        response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)
+        check_error_body(response, 503, "model loading")
+        assert int(response.headers["Retry-After"]) > 0
+        assert requests.get(f"{base_url}/livez", timeout=TIMEOUT_S).status_code == 200
+        assert requests.get(f"{base_url}/v1/models", timeout=TIMEOUT_S).status_code == 200
+
+        release_load.set()
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)  # no key needed
+        assert response.status_code == 200, response.text
+        check_answers(GOOD_REQUEST, response.json(), processor)
+
+
+def test_http_answers_equal_systemone_called_directly(args, loaded, server):
+    direct = loaded.schema.systemone(loaded.model, loaded.processor, GOOD_REQUEST, MAX_LENGTH)
+    served = answers_of(post(server, GOOD_REQUEST))
+    assert served["usage"] == direct["usage"]
+    for question_id, answer in direct["answers"].items():
+        for key, value in answer.items():
+            if isinstance(value, float):  # another process: allow one step of the 4-decimal rounding
+                assert served["answers"][question_id][key] == pytest.approx(value, abs=1e-4)
+            elif key == "probabilities":
+                assert served["answers"][question_id][key] == pytest.approx(value, abs=1e-4)
+            else:
+                assert served["answers"][question_id][key] == value
+
+
+def test_load_failure_is_reported_by_health(args):
+    def failing_load(args, progress):
+        raise serve_clef.CheckpointError("no checkpoint at /nowhere: pass a local directory with --model")
+
+    with serve_in_thread(serve_clef.create_app(args, load=failing_load)) as base_url:
+        deadline = time.monotonic() + TIMEOUT_S
+        response = requests.get(f"{base_url}/healthz", timeout=TIMEOUT_S)
+        while response.json()["detail"]["error_type"] == "model_loading":  # until the loading thread has failed
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            response = requests.get(f"{base_url}/healthz", timeout=TIMEOUT_S)
+        body = check_error_body(response, 503, "no checkpoint at /nowhere")
+        assert body["ready"] is False
+        check_error_body(requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S), 503,
+                         "no checkpoint at /nowhere")
+
+
+def test_out_of_memory_gets_413_and_the_server_keeps_serving(args, loaded, monkeypatch):
+    with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+
+        def out_of_memory(batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+        monkeypatch.setattr(loaded.model, "forward", out_of_memory)
+        response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)
+        assert check_error_body(response, 413, "too many tokens")["detail"]["error_type"] == "too_many_tokens"
+        monkeypatch.undo()
+        assert requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S).status_code == 200
+
+
+def test_fastapi_validation_errors_use_the_422_shape(args, loaded):
+    app = serve_clef.create_app(args, load=lambda args, progress: loaded)
+
+    @app.get("/typed/{number}")
+    async def typed(number: int) -> dict:  # a route with a typed parameter, so that FastAPI itself validates
+        return {"number": number}
+
+    with serve_in_thread(app) as base_url:
+        response = requests.get(f"{base_url}/typed/seven", timeout=TIMEOUT_S)
+        body = check_error_body(response, 422, "integer")
+        assert body["detail"][0]["loc"] == ["path", "number"]
+
+
+# ---- command line ----------------------------------------------------------------------------------------------------
+
+
+def run_cli(*cli_args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, serve_clef.__file__, *cli_args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_demo_prints_one_answer_of_each_type(loaded, processor):
+    completed = run_cli("--model", "synthetic", "--device", "cpu", "--demo")
+    assert completed.returncode == 0, completed.stderr
+    response = json.loads(completed.stdout)
+    check_answers(serve_clef.DEMO_REQUEST, response, processor, joint_schema_model.DEFAULT_MAX_LENGTH)
+    assert sorted(answer["type"] for answer in response["answers"].values()) == ["choice", "noul", "score"]
+    assert loaded.notice and loaded.notice in completed.stderr  # the synthetic checkpoint says it is meaningless
+
+
+def test_request_file_is_answered(tmp_path, processor, server):
+    request_path = tmp_path / "request.json"
+    request_path.write_text(json.dumps(GOOD_REQUEST))
+    completed = run_cli(*SERVER_ARGS, "--request", str(request_path))
+    assert completed.returncode == 0, completed.stderr
+    response = json.loads(completed.stdout)
+    check_answers(GOOD_REQUEST, response, processor)
+    served = answers_of(post(server, GOOD_REQUEST))
+    assert response["usage"]["input_tokens"] == served["usage"]["input_tokens"]
+    for question_id, answer in served["answers"].items():
+        assert response["answers"][question_id]["type"] == answer["type"]
+        for key in ("noul", "choice", "score"):
+            if key in answer:
+                assert response["answers"][question_id][key] == pytest.approx(answer[key], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "content, phrase",
+    [
+        (json.dumps(with_question({"type": "choice", "criteria": {"only": "x"}})), "at least two options"),
+        ("{not json", "cannot read the request file"),
+    ],
+)
+def test_bad_request_file_exits_2_with_one_line(tmp_path, content, phrase):
+    request_path = tmp_path / "request.json"
+    request_path.write_text(content)
+    completed = run_cli("--model", "synthetic", "--device", "cpu", "--request", str(request_path))
+    assert completed.returncode == 2
+    assert phrase in completed.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in completed.stderr
+    assert completed.stdout == ""
+
+
+def test_bad_checkpoint_exits_2_without_traceback(tmp_path):
+    completed = run_cli("--model", str(tmp_path / "missing-checkpoint"), "--device", "cpu", "--demo")
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr
+    assert "missing-checkpoint" in completed.stderr.strip().splitlines()[-1]
