@@ -280,6 +280,7 @@ def load_thinker_weights(
         for name, tensor in thinker.state_dict(keep_vars=True).items()
         if not name.startswith(tuple(experts_name + "." for experts_name in experts))
     }
+    live_names, experts_names = set(targets), set(experts)
     filled, bf16_experts_filled = set(), set()
     expert_tensors_per_layer = {name: 0 for name in experts}
     fields_per_expert = 3 * {"bf16": 1, "modelopt:W4A16_NVFP4": 3, "modelopt:NVFP4": 4}[kind]
@@ -288,12 +289,12 @@ def load_thinker_weights(
     for checkpoint_name, tensor in tensors:
         if is_talker_tensor(checkpoint_name):
             continue
-        name = thinker_tensor_name(checkpoint_name, set(targets), set(experts))
+        name = thinker_tensor_name(checkpoint_name, live_names, experts_names)
         if name is None:
             raise CheckpointError(
-                f"checkpoint tensor {checkpoint_name} maps to no parameter of transformers {transformers.__version__}'s "
-                "Qwen3-Omni thinker (neither the hub nor the transformers-internal name layout); is this a Clef-Omni "
-                "checkpoint, with only the experts quantized?"
+                f"checkpoint tensor {checkpoint_name} maps to no parameter of the Qwen3-Omni thinker of transformers "
+                f"{transformers.__version__} (in neither the hub nor the transformers-internal name layout); is this "
+                "a Clef-Omni checkpoint, with only the experts quantized?"
             )
         expert_match = EXPERT_TENSOR.fullmatch(name)
         if expert_match is None:
@@ -334,13 +335,15 @@ def load_thinker_weights(
             if (experts_name, expert, projection) not in bf16_experts_filled
         ]
     else:
-        missing += [name for experts_name, store in expert_stores.items() for name in store.missing_tensors(experts_name)]
+        for experts_name, store in expert_stores.items():
+            missing += store.missing_tensors(experts_name)
     if missing:
         raise CheckpointError(
             f"the checkpoint lacks {len(missing)} thinker tensors, first {missing[:3]} (transformers-internal names); "
             "the download or export is incomplete"
         )
-    progress(f"thinker loaded: {tensor_count} tensors, {byte_count / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")
+    load_s = time.perf_counter() - start
+    progress(f"thinker loaded: {tensor_count} tensors, {byte_count / 2**30:.2f} GiB in {load_s:.1f} s")
 
 
 def store_bf16_expert(
@@ -415,18 +418,25 @@ def quantize_experts_to_nvfp4(
         raise CheckpointError(f"BF16 experts without their gate/up partner: {sorted(waiting_for_partner)[:3]}")
 
 
-def write_modelopt_metadata(checkpoint_dir: Path, quant_algo: str) -> None:
-    """hf_quant_config.json and config.json's quantization_config as ModelOpt's exporter writes them (doc §1)."""
-    exclude_modules = ["lm_head", "thinker.audio_tower*", "thinker.model.layers.*.mlp.gate*", "thinker.model.layers.*.self_attn*", "thinker.visual*"]
+def write_modelopt_metadata(checkpoint_dir: Path) -> None:
+    """hf_quant_config.json and config.json's quantization_config of an NVFP4 (W4A4) export, as ModelOpt's exporter
+    writes them for the thinker experts (doc §1)."""
+    exclude_modules = [
+        "thinker.audio_tower*",
+        "thinker.lm_head",
+        "thinker.model.embed_tokens",
+        "thinker.model.layers.*.mlp.gate",
+        "thinker.model.layers.*.self_attn*",
+        "thinker.visual*",
+    ]
     producer = {"name": "modelopt", "version": "0.47.0"}
-    (checkpoint_dir / "hf_quant_config.json").write_text(json.dumps({
-        "producer": producer,
-        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude_modules},
-    }, indent=2))
+    quantization = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16}
+    hf_quant_config = {"producer": producer, "quantization": quantization | {"exclude_modules": exclude_modules}}
+    (checkpoint_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=4))
     nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
     config = json.loads((checkpoint_dir / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "modelopt", "quant_algo": quant_algo, "producer": producer,
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
         "config_groups": {"group_0": {"weights": nvfp4, "input_activations": nvfp4, "targets": ["Linear"]}},
         "ignore": exclude_modules,
     }
@@ -443,9 +453,10 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
     out_dir = Path(tempfile.mkdtemp(prefix="serve_clef-synthetic-"))
     if model_id == "synthetic:full":
         checkpoint_dir = synthetic_release.write_release(out_dir / "nvfp4", "full", weights=False)
-        write_modelopt_metadata(checkpoint_dir, "NVFP4")
+        write_modelopt_metadata(checkpoint_dir)
         config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
-        tensors = quantize_experts_to_nvfp4(synthetic_release.release_tensors(config, device=device), SYNTHETIC_INPUT_SCALE)
+        bf16_tensors = synthetic_release.release_tensors(config, device=device)
+        tensors = quantize_experts_to_nvfp4(bf16_tensors, SYNTHETIC_INPUT_SCALE)
         return checkpoint_dir, tensors
     release_dir = synthetic_release.write_release(out_dir / "bf16", "tiny")
     checkpoint_dir = out_dir / "nvfp4"
@@ -460,7 +471,7 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
         "metadata": {"total_size": sum(tensor.nbytes for tensor in tensors.values())},
         "weight_map": {name: shard for name in tensors},
     }, indent=2))
-    write_modelopt_metadata(checkpoint_dir, "NVFP4")
+    write_modelopt_metadata(checkpoint_dir)
     progress(f"synthetic tiny NVFP4 checkpoint written to {checkpoint_dir}")
     return checkpoint_dir, None
 
@@ -489,7 +500,8 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
 
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     text_config = config.thinker_config.text_config
-    progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({'packed NVFP4' if packed else 'BF16'} experts)")
+    experts_form = "packed NVFP4" if packed else "BF16"
+    progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form} experts)")
     thinker = build_backbone(config, device, zero_width_experts=packed).thinker
     expert_stores = {}
     if kind != "bf16":
@@ -583,16 +595,17 @@ class PackedNVFP4Experts(torch.nn.Module):
         self.act_fn = act_fn
         self.has_input_scales = has_input_scales  # W4A4 exports carry input scales, W4A16 ones do not
         self.simulate_fp4_activations = False
+        uint8, e4m3, fp32 = torch.uint8, torch.float8_e4m3fn, torch.float32
         # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
-        self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=torch.uint8))
-        self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=torch.float8_e4m3fn))
-        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=torch.float32))
-        self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=torch.uint8))
-        self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=torch.float8_e4m3fn))
-        self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
+        self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=e4m3))
+        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=fp32))
+        self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
+        self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
+        self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
         # The layer's shared activation scales (one input quantizer per projection type per layer, doc §3.2).
-        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("down_input_scale", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
+        self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
         self.stored = set()  # (expert, projection, field) received so far
         self.first_input_scale_name = {}  # "gate_up" / "down" -> checkpoint name that set the layer's input scale
 
@@ -613,13 +626,13 @@ class PackedNVFP4Experts(torch.nn.Module):
 
         if field == "weight":
             if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected NVFP4-packed uint8 {[out_features, in_features // 2]}")
+                fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
             getattr(self, f"{group}_packed_codes")[expert, rows].copy_(tensor)
         elif field == "weight_scale":
             if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
                 fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
             if ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
-                fail("NaN block scale bytes (0x7F/0xFF), as ModelOpt < 0.47 wrote them; re-export with nvidia-modelopt>=0.47")
+                fail("NaN block scale bytes (0x7F/0xFF) as ModelOpt < 0.47 wrote them: re-export with ModelOpt >= 0.47")
             getattr(self, f"{group}_block_scales")[expert, rows].copy_(tensor)
         else:
             if tensor.dtype != torch.float32 or tensor.numel() != 1:
@@ -638,7 +651,7 @@ class PackedNVFP4Experts(torch.nn.Module):
                     )
                 global_scale[expert] = value
             elif not self.has_input_scales:
-                fail("input_scale in a W4A16_NVFP4 checkpoint (weight-only exports have none); fix hf_quant_config.json")
+                fail("input_scale in a W4A16_NVFP4 export (weight-only exports have none); fix hf_quant_config.json")
             else:
                 input_scale = getattr(self, f"{group}_input_scale")
                 if group in self.first_input_scale_name and input_scale != value:
@@ -682,7 +695,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             intermediate = fake_quant_nvfp4_activations(intermediate, self.down_input_scale)
         return intermediate
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]
         if self.simulate_fp4_activations:
             hidden_states = fake_quant_nvfp4_activations(hidden_states, self.gate_up_input_scale)

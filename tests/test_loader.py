@@ -256,3 +256,17 @@ def test_hub_id_that_cannot_be_downloaded_fails_with_one_clear_line():
     with pytest.raises(serve_clef.CheckpointError, match="--model DIR") as failure:
         load("nobody/no-such-clef-model")
     assert "\n" not in str(failure.value)
+
+
+def test_synthetic_full_streams_the_same_weights_into_the_packed_store(monkeypatch):
+    """synthetic:full's streaming path (release_tensors -> quantizer -> packed store, no weights on disk), run at
+    tiny size: it must serve exactly what the tiny checkpoint written to disk serves."""
+    import synthetic_release
+
+    write_release = synthetic_release.write_release
+    monkeypatch.setattr(synthetic_release, "write_release", lambda out_dir, size, **kwargs: write_release(out_dir, "tiny", **kwargs))
+    streamed = load("synthetic:full")
+    assert streamed.kind == "modelopt:NVFP4" and "meaningless" in streamed.notice
+    assert not list(streamed.checkpoint_dir.glob("model*.safetensors"))
+    for from_stream, from_disk in zip(raw_probabilities(streamed), raw_probabilities(load("synthetic")), strict=True):
+        assert torch.equal(from_stream, from_disk)

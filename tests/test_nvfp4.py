@@ -194,3 +194,14 @@ def test_simulated_fp4_activations_quantize_both_expert_inputs():
     # boundary may land on the other side: compare on average, far tighter than the effect of the replay itself.
     assert (w4a16 - expected).abs().mean() > 0.2 * scale
     assert (got - expected).abs().mean() < 0.02 * scale
+
+
+def test_compiled_unpack_equals_eager_unpack():
+    """The torch.compile'd unpack used on CUDA (inductor's C++ backend here) must not change a single bit."""
+    generator = torch.Generator().manual_seed(6)
+    packed_codes = torch.randint(0, 256, (2, 16, 32), generator=generator, dtype=torch.int16).to(torch.uint8)
+    block_scales = e4m3_scale_bytes((2, 16, 4), generator)
+    global_scale = torch.tensor([3e-4, 0.7])
+    compiled = serve_clef.unpack_nvfp4_compiled(packed_codes, block_scales, global_scale)
+    expected = reference_dequantize(packed_codes, block_scales, global_scale)
+    assert torch.equal(compiled.view(torch.int16), expected.view(torch.int16))

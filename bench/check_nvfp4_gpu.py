@@ -1,0 +1,97 @@
+"""GPU check of serve_clef's packed NVFP4 experts at Clef-Omni size (run by the lead on the H200).
+
+1. `serve_clef.unpack_nvfp4_compiled` (torch.compile) equals the eager `unpack_nvfp4` bit for bit on one full-size
+   layer (128 experts, hidden 2048, width 768) and its time per layer (target: well under the 8.4 ms of the stock
+   torch LUT unpack, near the ~0.4 ms bandwidth floor).
+2. `serve_clef.fake_quant_nvfp4_activations` equals ModelOpt's Triton W4A4 fake-quant kernel (`fp4_fake_quant_block`)
+   when nvidia-modelopt is installed (carry its wheel); skipped otherwise.
+3. Time of one packed layer forward (`PackedNVFP4Experts`) at 512 tokens, top-8.
+
+Usage: python bench/check_nvfp4_gpu.py   (exit status 1 when a comparison fails)
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import serve_clef  # noqa: E402
+
+
+def cuda_ms(function, repeats: int = 20) -> float:
+    """Median CUDA time of function() in milliseconds, after warm-up."""
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    device = torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(0)
+    text_config = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    with torch.device(device):
+        experts = serve_clef.PackedNVFP4Experts(text_config, F.silu, has_input_scales=True)
+    for name in ("gate_up", "down"):
+        codes = getattr(experts, f"{name}_packed_codes")
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16).to(torch.uint8))
+        scales = getattr(experts, f"{name}_block_scales")
+        scales.copy_((torch.rand(scales.shape, generator=generator, device=device) * 100 + 20).to(torch.float8_e4m3fn))
+        getattr(experts, f"{name}_global_scale").copy_(torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5)
+    experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
+    experts.down_input_scale.fill_(0.05 / (6 * 448))
+    failures = 0
+
+    packed = (experts.gate_up_packed_codes, experts.gate_up_block_scales, experts.gate_up_global_scale)
+    packed_down = (experts.down_packed_codes, experts.down_block_scales, experts.down_global_scale)
+    start = time.perf_counter()
+    compiled = serve_clef.unpack_nvfp4_compiled(*packed)
+    torch.cuda.synchronize()
+    print(f"torch.compile of unpack_nvfp4: {time.perf_counter() - start:.1f} s")
+    eager = serve_clef.unpack_nvfp4(*packed)
+    same = torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+    failures += not same
+    print(f"compiled unpack == eager unpack bit for bit: {same}")
+    eager_ms = cuda_ms(lambda: (serve_clef.unpack_nvfp4(*packed), serve_clef.unpack_nvfp4(*packed_down)))
+    compiled_ms = cuda_ms(lambda: (serve_clef.unpack_nvfp4_compiled(*packed), serve_clef.unpack_nvfp4_compiled(*packed_down)))
+    packed_bytes = sum(tensor.nbytes for tensor in (*packed, *packed_down))
+    bf16_bytes = compiled.nbytes + serve_clef.unpack_nvfp4(*packed_down).nbytes
+    print(f"unpack one layer (gate_up + down): eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
+          f"({packed_bytes / 2**20:.0f} MiB packed in, {bf16_bytes / 2**20:.0f} MiB BF16 out)")
+
+    activations = (torch.randn(512, 2048, generator=generator, device=device) * 3).to(torch.bfloat16)
+    try:
+        from modelopt.torch.kernels.quantization.gemm.fp4_kernel_hopper import fp4_fake_quant_block
+    except ImportError as error:
+        print(f"ModelOpt fake-quant comparison skipped ({error})")
+    else:
+        global_amax = torch.tensor(11.0, device=device)  # calibrated activation amax
+        input_scale = global_amax.float() / (6.0 * 448.0)  # what the exporter writes, as the kernel derives it
+        ours = serve_clef.fake_quant_nvfp4_activations(activations, input_scale)
+        theirs = fp4_fake_quant_block(activations, global_amax)
+        mismatches = (ours != theirs).sum().item()
+        failures += mismatches > 0
+        print(f"fake_quant_nvfp4_activations vs ModelOpt fp4_fake_quant_block: {mismatches} of {ours.numel()} differ")
+
+    top_k_weights, top_k_index = torch.rand(512, 128, generator=generator, device=device).softmax(-1).topk(8, dim=-1)
+    for simulate in (False, True):
+        experts.simulate_fp4_activations = simulate
+        forward_ms = cuda_ms(lambda: experts(activations, top_k_index, top_k_weights.to(torch.bfloat16)))
+        print(f"packed layer forward, 512 tokens, top-8, simulate_fp4_activations={simulate}: {forward_ms:.2f} ms")
+    print("FAILED" if failures else "OK")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
