@@ -174,6 +174,12 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
 
 
 def checkpoint_kind(checkpoint_dir: Path) -> str:
+    for required in ("config.json", "joint_head_config.json", "joint_head.safetensors"):
+        if not (checkpoint_dir / required).exists():
+            raise CheckpointError(
+                f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a ModelOpt export needs the "
+                "release's joint_head*, tokenizer and processor files copied beside it)"
+            )
     quant_config_path = checkpoint_dir / "hf_quant_config.json"
     if not quant_config_path.exists():
         quantization = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config")
@@ -524,6 +530,9 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     for experts in experts_modules(thinker).values():
         if isinstance(experts, PackedNVFP4Experts):
             experts.simulate_fp4_activations = args.simulate_fp4_activations
+    if packed and device.type == "cuda":
+        progress("compiling the NVFP4 unpack kernel (torch.compile, once per process)")
+        next(iter(experts_modules(thinker).values())).unpacked()
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
     if head_config["hidden_size"] != text_config.hidden_size:
@@ -532,7 +541,14 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
             f"thinker's text hidden size {text_config.hidden_size}; the joint head belongs to another model"
         )
     head = schema.JointSchemaHead(**head_config)
-    head.load_state_dict(safetensors.torch.load_file(checkpoint_dir / "joint_head.safetensors"), strict=True)
+    try:
+        head.load_state_dict(safetensors.torch.load_file(checkpoint_dir / "joint_head.safetensors"), strict=True)
+    except RuntimeError as error:
+        problem = " ".join(str(error).split())[:300]
+        raise CheckpointError(
+            f"{checkpoint_dir}/joint_head.safetensors does not fit joint_head_config.json ({problem}); copy both "
+            "files from the same release"
+        ) from error
     head.to(device=device, dtype=torch.bfloat16)
     model = schema.ClefModel(thinker, head).eval()
     processor = joint_schema_model.load_processor(checkpoint_dir)

@@ -270,3 +270,20 @@ def test_synthetic_full_streams_the_same_weights_into_the_packed_store(monkeypat
     assert not list(streamed.checkpoint_dir.glob("model*.safetensors"))
     for from_stream, from_disk in zip(raw_probabilities(streamed), raw_probabilities(load("synthetic")), strict=True):
         assert torch.equal(from_stream, from_disk)
+
+
+def test_directory_without_the_clef_files_fails_clearly(nvfp4_export, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(nvfp4_export, bare)
+    (bare / "joint_head_config.json").unlink()
+    with pytest.raises(serve_clef.CheckpointError, match="no joint_head_config.json: not a Clef-Omni model directory"):
+        load(bare)
+
+
+def test_joint_head_of_another_size_fails_clearly(nvfp4_export, tmp_path):
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(nvfp4_export, mismatched)
+    head_config = json.loads((mismatched / "joint_head_config.json").read_text())
+    (mismatched / "joint_head_config.json").write_text(json.dumps(head_config | {"width": 2 * head_config["width"]}))
+    with pytest.raises(serve_clef.CheckpointError, match="joint_head.safetensors does not fit joint_head_config.json"):
+        load(mismatched)
