@@ -1066,7 +1066,6 @@ def decide(loaded: LoadedClef, request: Any, max_length: int, lock: threading.Lo
     return response
 
 
-
 # ==== HTTP ============================================================================================================
 # FastAPI app over `decide`: the port opens at once and the model loads in a background thread; until it is ready the
 # decision and health endpoints answer 503. Every error body has the shapes of systemone-api.md §6.1.
@@ -1121,8 +1120,6 @@ class ClefService:
             if not isinstance(error, CheckpointError):
                 traceback.print_exc()
             console(f"serve_clef: {self.load_error}")
-            return
-        console(f"serve_clef: ready: {self.loaded.model_id} ({self.loaded.kind}) loaded in {self.loaded.load_s:.1f} s")
 
     def ready(self) -> LoadedClef:
         """The loaded model, or a 503 saying it is still loading or failed to load."""
@@ -1176,7 +1173,6 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         yield
 
     app = FastAPI(title="serve_clef", lifespan=lifespan)
-    app.state.service = service
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:

@@ -546,16 +546,25 @@ def test_load_failure_is_reported_by_health(args):
                          "no checkpoint at /nowhere")
 
 
-def test_out_of_memory_gets_413_and_the_server_keeps_serving(args, loaded, monkeypatch):
+@pytest.mark.parametrize(
+    "failure, status, phrase",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), 413, "too many tokens"),
+        (ValueError("videos with and without audio tracks cannot share a batch"), 422, "cannot share a batch"),
+        (ValueError("schema requires 70000 tokens before state; maximum is 64000"), 413, "maximum context length"),
+    ],
+)
+def test_failures_while_scoring_get_4xx_and_the_server_keeps_serving(args, loaded, monkeypatch, failure, status,
+                                                                     phrase):
     with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as base_url:
         wait_until_ready(base_url, limit_s=TIMEOUT_S)
 
-        def out_of_memory(batch):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        def failing_forward(batch):
+            raise failure
 
-        monkeypatch.setattr(loaded.model, "forward", out_of_memory)
-        response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)
-        assert check_error_body(response, 413, "too many tokens")["detail"]["error_type"] == "too_many_tokens"
+        monkeypatch.setattr(loaded.model, "forward", failing_forward)
+        check_error_body(requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S), status,
+                         phrase)
         monkeypatch.undo()
         assert requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S).status_code == 200
 
