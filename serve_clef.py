@@ -532,7 +532,8 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
             experts.simulate_fp4_activations = args.simulate_fp4_activations
     if packed and device.type == "cuda":
         progress("compiling the NVFP4 unpack kernel (torch.compile, once per process)")
-        next(iter(experts_modules(thinker).values())).unpacked()
+        with torch.inference_mode():  # the mode decisions run in, so the first decision reuses this compilation
+            next(iter(experts_modules(thinker).values())).unpacked()
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
     if head_config["hidden_size"] != text_config.hidden_size:
