@@ -24,6 +24,8 @@ variation TV = 0.5 * sum_o |p_ref(o) - p_cand(o)| (mean, p95, max), every flippe
 minus top-2 margin (a flip with a small margin is noise, one with a large margin is damage), tokens, and forward
 milliseconds. When the reference is BF16 the report also holds its noise floor: the same weights through the other
 experts kernel (eager against grouped_mm), so a candidate's TV can be read against what kernel order alone moves.
+Either side may instead be the base URL of a running serve_clef: its answers give the probabilities, rounded to 1e-4
+as the API returns them (records go over the wire with media as PNG, WAV and MPEG-4 data URLs).
 """
 
 import argparse
@@ -63,6 +65,36 @@ def score_records(loaded, records: list[dict], max_length: int | None = None) ->
                 "option_ids": list(question.option_ids),
                 "probabilities": question_logits.float().softmax(-1).tolist(),
                 "tokens": len(encoded.input_ids), "forward_ms": forward_ms,
+            })
+    return scored
+
+
+def score_server(base_url: str, records: list[dict]) -> list[dict]:
+    """score_records through a running serve_clef (POST /v1/systemone): probabilities come back rounded to 1e-4,
+    noul answers give only P(true), and `forward_ms` is the whole request round trip."""
+    import requests
+
+    from calib.records import to_request
+    from joint_schema_model import question_options
+
+    scored = []
+    for record in records:
+        started = time.perf_counter()
+        response = requests.post(f"{base_url.rstrip('/')}/v1/systemone", json=to_request(record), timeout=600)
+        request_ms = (time.perf_counter() - started) * 1000
+        if response.status_code != 200:
+            raise RuntimeError(f"{base_url}: HTTP {response.status_code} for record {record['id']}: {response.text[:500]}")
+        body = response.json()
+        for question_id, question in record["questions"].items():
+            answer = body["answers"][question_id]
+            option_ids = [option_id for option_id, _ in question_options(question)]  # the order the model scores
+            if answer["type"] == "noul":
+                probabilities = [answer["noul"], 1.0 - answer["noul"]]  # options ("true", "false")
+            else:
+                probabilities = [answer["probabilities"][option_id] for option_id in option_ids]
+            scored.append({
+                "record_id": str(record["id"]), "question_id": question_id, "option_ids": option_ids,
+                "probabilities": probabilities, "tokens": body["usage"]["input_tokens"], "forward_ms": request_ms,
             })
     return scored
 
@@ -132,12 +164,12 @@ def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[s
 
 
 def describe(loaded) -> dict:
-    return {"checkpoint": str(loaded.checkpoint_dir), "kind": loaded.kind}
+    return {"source": str(loaded.checkpoint_dir), "kind": loaded.kind}
 
 
 def parity_report(reference: dict, candidate: dict, reference_scores: list[dict], candidate_scores: list[dict],
                   noise_floor: tuple[list[str], list[dict]] | None = None) -> dict:
-    """The report (see the module doc); `reference` / `candidate` describe the checkpoints (`describe`)."""
+    """The report (see the module doc); `reference` / `candidate` say what was scored ({"source", "kind"})."""
     tokens = _per_record(reference_scores, "tokens")
     report = {
         "reference": reference,
@@ -162,13 +194,13 @@ def parity_report(reference: dict, candidate: dict, reference_scores: list[dict]
 def print_summary(report: dict) -> None:
     rows = [("candidate vs reference", report["candidate_vs_reference"])]
     if report["noise_floor"] is not None:
-        rows.append(("BF16 noise floor ({} vs {})".format(*report["noise_floor"]["experts_implementations"]),
+        rows.append(("BF16 noise floor ({}/{})".format(*report["noise_floor"]["experts_implementations"]),
                      report["noise_floor"]))
-    print(f"reference {report['reference']['kind']} {report['reference']['checkpoint']}")
-    print(f"candidate {report['candidate']['kind']} {report['candidate']['checkpoint']}")
-    print(f"{'':34} {'top-1':>7} {'mean TV':>8} {'p95 TV':>8} {'max TV':>8} {'flips':>9}")
+    print(f"reference {report['reference']['kind']} {report['reference']['source']}")
+    print(f"candidate {report['candidate']['kind']} {report['candidate']['source']}")
+    print(f"{'':36} {'top-1':>7} {'mean TV':>8} {'p95 TV':>8} {'max TV':>8} {'flips':>9}")
     for label, stats in rows:
-        print(f"{label:34} {stats['top1_agreement']:7.3f} {stats['mean_tv']:8.4f} {stats['p95_tv']:8.4f} "
+        print(f"{label:36} {stats['top1_agreement']:7.3f} {stats['mean_tv']:8.4f} {stats['p95_tv']:8.4f} "
               f"{stats['max_tv']:8.4f} {len(stats['flips']):4d}/{stats['questions']}")
     forward_ms = report["forward_ms"]
     print(f"{report['records']} records, {report['tokens']['total']} tokens; forward ms median/p95: reference "
@@ -179,34 +211,43 @@ def print_summary(report: dict) -> None:
               f"{flip['candidate_top1']} (reference margin {flip['reference_margin']:.3f}, TV {flip['tv']:.3f})")
 
 
+def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], with_noise_floor: bool):
+    """(description, scores, noise floor or None) of a checkpoint loaded here, or of a server given by its URL."""
+    if checkpoint.startswith(("http://", "https://")):
+        return {"source": checkpoint, "kind": "server"}, score_server(checkpoint, records), None
+    import serve_clef
+
+    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags))
+    scores = score_records(loaded, records)
+    noise_floor = score_with_other_experts_kernel(loaded, records) if with_noise_floor and loaded.kind == "bf16" else None
+    description = describe(loaded)
+    del loaded
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return description, scores, noise_floor
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("reference", help="reference checkpoint (normally the BF16 release): directory or hub id")
-    parser.add_argument("candidate", help="candidate checkpoint (normally the NVFP4 export): directory or hub id")
+    parser.add_argument("reference", help="reference checkpoint (normally the BF16 release): directory, hub id, "
+                        "or the http(s) base URL of a running serve_clef")
+    parser.add_argument("candidate", help="candidate checkpoint (normally the NVFP4 export), same forms")
     parser.add_argument("--records", type=int, default=128, help="held-out records (1..128, default 128)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--simulate-fp4-activations", action="store_true",
-                        help="run the candidate with serve_clef's W4A4 activation replay")
+                        help="run a candidate checkpoint with serve_clef's W4A4 activation replay")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     args = parser.parse_args(argv)
 
-    import serve_clef
     from calib.records import evaluation_records
 
     records = evaluation_records(args.records)
     # One checkpoint in memory at a time: BF16 Clef-Omni alone takes ~64 GB.
-    reference = serve_clef.load_clef(serve_clef.parse_args(["--model", args.reference, "--device", args.device]))
-    reference_scores = score_records(reference, records)
-    noise_floor = score_with_other_experts_kernel(reference, records) if reference.kind == "bf16" else None
-    reference_description = describe(reference)
-    del reference
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    reference_description, reference_scores, noise_floor = _score(args.reference, records, args.device, [], True)
     candidate_flags = ["--simulate-fp4-activations"] if args.simulate_fp4_activations else []
-    candidate = serve_clef.load_clef(serve_clef.parse_args(["--model", args.candidate, "--device", args.device]
-                                                           + candidate_flags))
-    report = parity_report(reference_description, describe(candidate), reference_scores,
-                           score_records(candidate, records), noise_floor)
+    candidate_description, candidate_scores, _ = _score(args.candidate, records, args.device, candidate_flags, False)
+    report = parity_report(reference_description, candidate_description, reference_scores, candidate_scores,
+                           noise_floor)
     print_summary(report)
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

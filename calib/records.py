@@ -10,10 +10,14 @@ and `default_rng(2)` (evaluation).
 
 A record is the Clef request itself: `{"id", "model", "state", "questions"}` plus `images` (PIL images), `audio`
 (float32 mono arrays at 16 kHz) or `videos` (uint8 frame arrays [T, H, W, 3] at 2 fps) when it has media. Asking for
-fewer records returns a prefix of the full set, and the two sets never share a conversation.
+fewer records returns a prefix of the full set, and the two sets never share a conversation. `to_request` turns a
+record into the JSON body a serve_clef server takes, media as data URLs.
 """
 
+import base64
+import io
 import random
+import wave
 
 import numpy as np
 from PIL import Image
@@ -232,3 +236,49 @@ def evaluation_records(count: int = EVALUATION_COUNT) -> list[dict]:
         raise ValueError(f"evaluation count must be 1..{EVALUATION_COUNT}, got {count}")
     return _records(_conversations()[CALIBRATION_COUNT:CALIBRATION_COUNT + count], "eval",
                     np.random.default_rng(2))
+
+
+def _data_url(content_type: str, data: bytes) -> str:
+    return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _wav(samples: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as pcm:
+        pcm.setnchannels(1)
+        pcm.setsampwidth(2)
+        pcm.setframerate(AUDIO_SAMPLE_RATE)
+        pcm.writeframes((np.clip(samples, -1.0, 1.0) * 32767).astype("<i2").tobytes())
+    return buffer.getvalue()
+
+
+def _mp4(frames: np.ndarray) -> bytes:
+    """Frames [T, H, W, 3] as MPEG-4 video at 2 fps, so a server's 2 fps sampling keeps every frame."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def to_request(record: dict) -> dict:
+    """The record as a JSON SystemOne request body: images as PNG, audio as 16-bit WAV, videos as MPEG-4 data URLs."""
+    request = {key: value for key, value in record.items() if key not in ("images", "audio", "videos")}
+    if "images" in record:
+        request["images"] = [_data_url("image/png", _png(image)) for image in record["images"]]
+    if "audio" in record:
+        request["audio"] = [_data_url("audio/wav", _wav(samples)) for samples in record["audio"]]
+    if "videos" in record:
+        request["videos"] = [_data_url("video/mp4", _mp4(frames)) for frames in record["videos"]]
+    return request

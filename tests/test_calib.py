@@ -4,14 +4,20 @@ References are independent of the code under test: the recipe numbers of docs/nv
 here, the BF16 release's own weights against the §2.1 dequantisation formula, hashlib, and plain-Python statistics.
 """
 
+import contextlib
 import hashlib
 import json
 import math
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import safetensors.torch
 import torch
 from PIL import Image
@@ -305,3 +311,39 @@ def test_bf16_against_itself_agrees_fully(tiny_release):
     first, second = parity.score_records(loaded, records), parity.score_records(loaded, records)
     stats = parity.compare(first, second)
     assert stats["top1_agreement"] == 1.0 and stats["max_tv"] == 0.0 and stats["flips"] == []
+
+
+def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_path):
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen([sys.executable, serve_clef.__file__, "--model", str(tiny_release), "--device", "cpu",
+                                   "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        records = [evaluation_records(20)[k] for k in (0, 19)]  # text only, and an image (PNG on the wire: lossless)
+        assert "images" in records[1]
+        loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                      progress=lambda message: None)
+        in_process = parity.score_records(loaded, records)
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(f"{base_url}/healthz", timeout=10).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.2)
+        over_http = parity.score_server(base_url, records)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert [(s["record_id"], s["question_id"], s["option_ids"], s["tokens"]) for s in over_http] == \
+        [(s["record_id"], s["question_id"], s["option_ids"], s["tokens"]) for s in in_process]
+    for remote, local in zip(over_http, in_process):
+        assert np.allclose(remote["probabilities"], local["probabilities"], atol=1e-4 / 2 + 1e-7), (remote, local)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
