@@ -49,7 +49,7 @@ from calib.records import calibration_records, evaluation_records  # noqa: E402
 
 TOLERANCE = 0.01  # max |delta p| and max TV (see the module doc)
 DEVICE = "cuda"
-CALIBRATION_RECORDS = 64
+CALIBRATION_RECORDS = 32
 EVALUATION_RECORDS = 32
 
 
