@@ -442,7 +442,9 @@ def write_modelopt_metadata(checkpoint_dir: Path) -> None:
     nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
     config = json.loads((checkpoint_dir / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": producer,
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "producer": producer,
         "config_groups": {"group_0": {"weights": nvfp4, "input_activations": nvfp4, "targets": ["Linear"]}},
         "ignore": exclude_modules,
     }
@@ -473,10 +475,11 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
     tensors = dict(quantize_experts_to_nvfp4(checkpoint_tensors(release_dir), SYNTHETIC_INPUT_SCALE))
     shard = "model-00001-of-00001.safetensors"
     safetensors.torch.save_file(tensors, checkpoint_dir / shard, metadata={"format": "pt"})
-    (checkpoint_dir / "model.safetensors.index.json").write_text(json.dumps({
+    index = {
         "metadata": {"total_size": sum(tensor.nbytes for tensor in tensors.values())},
         "weight_map": {name: shard for name in tensors},
-    }, indent=2))
+    }
+    (checkpoint_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     write_modelopt_metadata(checkpoint_dir)
     progress(f"synthetic tiny NVFP4 checkpoint written to {checkpoint_dir}")
     return checkpoint_dir, None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import serve_clef  # noqa: E402
+import serve_clef
 
 
 def cuda_ms(function, repeats: int = 20) -> float:
@@ -40,15 +40,21 @@ def cuda_ms(function, repeats: int = 20) -> float:
 def main() -> int:
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
-    text_config = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    text_config = Qwen3OmniMoeTextConfig(
+        hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8
+    )
     with torch.device(device):
         experts = serve_clef.PackedNVFP4Experts(text_config, F.silu, has_input_scales=True)
     for name in ("gate_up", "down"):
         codes = getattr(experts, f"{name}_packed_codes")
-        codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16).to(torch.uint8))
+        codes.copy_(
+            torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16).to(torch.uint8)
+        )
         scales = getattr(experts, f"{name}_block_scales")
         scales.copy_((torch.rand(scales.shape, generator=generator, device=device) * 100 + 20).to(torch.float8_e4m3fn))
-        getattr(experts, f"{name}_global_scale").copy_(torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5)
+        getattr(experts, f"{name}_global_scale").copy_(
+            torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5
+        )
     experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
     experts.down_input_scale.fill_(0.05 / (6 * 448))
     failures = 0
@@ -64,11 +70,15 @@ def main() -> int:
     failures += not same
     print(f"compiled unpack == eager unpack bit for bit: {same}")
     eager_ms = cuda_ms(lambda: (serve_clef.unpack_nvfp4(*packed), serve_clef.unpack_nvfp4(*packed_down)))
-    compiled_ms = cuda_ms(lambda: (serve_clef.unpack_nvfp4_compiled(*packed), serve_clef.unpack_nvfp4_compiled(*packed_down)))
+    compiled_ms = cuda_ms(
+        lambda: (serve_clef.unpack_nvfp4_compiled(*packed), serve_clef.unpack_nvfp4_compiled(*packed_down))
+    )
     packed_bytes = sum(tensor.nbytes for tensor in (*packed, *packed_down))
     bf16_bytes = compiled.nbytes + serve_clef.unpack_nvfp4(*packed_down).nbytes
-    print(f"unpack one layer (gate_up + down): eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
-          f"({packed_bytes / 2**20:.0f} MiB packed in, {bf16_bytes / 2**20:.0f} MiB BF16 out)")
+    print(
+        f"unpack one layer (gate_up + down): eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
+        f"({packed_bytes / 2**20:.0f} MiB packed in, {bf16_bytes / 2**20:.0f} MiB BF16 out)"
+    )
 
     activations = (torch.randn(512, 2048, generator=generator, device=device) * 3).to(torch.bfloat16)
     try:

@@ -17,15 +17,26 @@ import transformers
 import joint_schema_model
 import serve_clef
 
-RELEASE_FILES = ("joint_head.safetensors", "joint_head_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                 "chat_template.jinja")
+RELEASE_FILES = (
+    "joint_head.safetensors",
+    "joint_head_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.jinja",
+)
 REQUEST = {
     "model": "clef-omni",
     "state": {"task": "Tidy the kitchen", "observation": "The sink is full of dishes and the floor is wet."},
     "questions": {
         "done": {"type": "noul", "instructions": "Is the task finished?"},
-        "next": {"type": "choice", "instructions": "What next?", "criteria": {"wash": "Wash the dishes", "mop": "Mop", "wait": None}},
+        "next": {
+            "type": "choice",
+            "instructions": "What next?",
+            "criteria": {"wash": "Wash the dishes", "mop": "Mop", "wait": None},
+        },
         "mess": {"type": "score", "instructions": "How messy is it?", "criteria": ["clean", "some mess", "chaos"]},
     },
 }
@@ -56,7 +67,9 @@ def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
 
     mtq.quantize(backbone, quant_config, calibrate)
     # Qwen3OmniMoeForConditionalGeneration has no usable forward; the exporter runs one (doc §4.1 step 5).
-    backbone.forward = types.MethodType(lambda self, input_ids=None, **kwargs: self.thinker(input_ids=input_ids, use_cache=False), backbone)
+    backbone.forward = types.MethodType(
+        lambda self, input_ids=None, **kwargs: self.thinker(input_ids=input_ids, use_cache=False), backbone
+    )
     export_hf_checkpoint(backbone, export_dir=out_dir)
     for name in RELEASE_FILES:
         if (release / name).exists():
@@ -75,7 +88,9 @@ def w4a16_export(tiny_release, tmp_path_factory) -> Path:
 
 
 def load(model: Path | str, *flags: str) -> serve_clef.LoadedClef:
-    return serve_clef.load_clef(serve_clef.parse_args(["--model", str(model), "--device", "cpu", *flags]), progress=lambda line: None)
+    return serve_clef.load_clef(
+        serve_clef.parse_args(["--model", str(model), "--device", "cpu", *flags]), progress=lambda line: None
+    )
 
 
 def probabilities(loaded: serve_clef.LoadedClef) -> dict:
@@ -126,8 +141,12 @@ def test_modelopt_export_loads_and_answers(nvfp4_export):
 
 def to_internal_layout(tensors: dict) -> dict:
     """Rename hub-layout keys to transformers' internal ones, as a ModelOpt export of the bare thinker writes them."""
-    renames = {"thinker.model.": "model.language_model.", "thinker.visual.": "model.visual.",
-               "thinker.audio_tower.": "model.audio_tower.", "thinker.lm_head.": "lm_head."}
+    renames = {
+        "thinker.model.": "model.language_model.",
+        "thinker.visual.": "model.visual.",
+        "thinker.audio_tower.": "model.audio_tower.",
+        "thinker.lm_head.": "lm_head.",
+    }
     renamed = {}
     for name, tensor in tensors.items():
         prefix = next(prefix for prefix in renames if name.startswith(prefix))
@@ -168,7 +187,9 @@ def test_bf16_release_answers_like_load_release_model(tiny_release):
 
 
 def test_w4a16_export_refuses_simulated_activations(w4a16_export):
-    assert json.loads((w4a16_export / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    assert (
+        json.loads((w4a16_export / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    )
     assert load(w4a16_export).kind == "modelopt:W4A16_NVFP4"
     with pytest.raises(serve_clef.CheckpointError, match="--simulate-fp4-activations.*W4A16_NVFP4"):
         load(w4a16_export, "--simulate-fp4-activations")
@@ -183,6 +204,7 @@ def without(name):
     def change(tensors):
         del tensors[name]
         return tensors
+
     return change
 
 
@@ -192,6 +214,7 @@ def with_nan_scale_byte(name):
         scale_bytes[1, 0] = 0x7F
         tensors[name] = scale_bytes.view(torch.float8_e4m3fn)
         return tensors
+
     return change
 
 
@@ -199,21 +222,43 @@ def with_scaled(name, factor):
     def change(tensors):
         tensors[name] = tensors[name] * factor
         return tensors
+
     return change
 
 
 @pytest.mark.parametrize(
     "change, tensor_named",
     [
-        (without("thinker.model.layers.1.mlp.experts.5.down_proj.weight_scale"), "layers.1.mlp.experts.5.down_proj.weight_scale"),
+        (
+            without("thinker.model.layers.1.mlp.experts.5.down_proj.weight_scale"),
+            "layers.1.mlp.experts.5.down_proj.weight_scale",
+        ),
         (without("thinker.model.layers.0.self_attn.q_proj.weight"), "layers.0.self_attn.q_proj.weight"),
-        (with_nan_scale_byte("thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"), "thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"),
-        (with_scaled("thinker.model.layers.1.mlp.experts.4.up_proj.input_scale", 1.5), "thinker.model.layers.1.mlp.experts.4.up_proj.input_scale"),
-        (with_scaled("thinker.model.layers.0.mlp.experts.6.down_proj.input_scale", 0.5), "thinker.model.layers.0.mlp.experts.6.down_proj.input_scale"),
-        (with_scaled("thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 2.0), "thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2"),
+        (
+            with_nan_scale_byte("thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"),
+            "thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale",
+        ),
+        (
+            with_scaled("thinker.model.layers.1.mlp.experts.4.up_proj.input_scale", 1.5),
+            "thinker.model.layers.1.mlp.experts.4.up_proj.input_scale",
+        ),
+        (
+            with_scaled("thinker.model.layers.0.mlp.experts.6.down_proj.input_scale", 0.5),
+            "thinker.model.layers.0.mlp.experts.6.down_proj.input_scale",
+        ),
+        (
+            with_scaled("thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 2.0),
+            "thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2",
+        ),
     ],
-    ids=["missing-expert-tensor", "missing-attention-weight", "nan-scale-byte", "unequal-gate-up-input-scale",
-         "unequal-down-input-scale", "unequal-gate-up-weight-scale-2"],
+    ids=[
+        "missing-expert-tensor",
+        "missing-attention-weight",
+        "nan-scale-byte",
+        "unequal-gate-up-input-scale",
+        "unequal-down-input-scale",
+        "unequal-gate-up-weight-scale-2",
+    ],
 )
 def test_broken_checkpoints_fail_naming_the_tensor(nvfp4_export, tmp_path, change, tensor_named):
     broken = rewrite_checkpoint(nvfp4_export, tmp_path / "broken", change)
@@ -243,7 +288,10 @@ def test_model_directory_with_its_own_joint_schema_model_is_served_through_it(nv
     own = tmp_path / "own"
     shutil.copytree(nvfp4_export, own)
     source = Path(joint_schema_model.__file__).read_text()
-    marked = source.replace('        return {"type": "noul", "noul": round(', '        return {"type": "noul", "marker": "own copy", "noul": round(')
+    marked = source.replace(
+        '        return {"type": "noul", "noul": round(',
+        '        return {"type": "noul", "marker": "own copy", "noul": round(',
+    )
     assert marked != source
     (own / "joint_schema_model.py").write_text(marked)
     loaded = load(own)
@@ -264,7 +312,9 @@ def test_synthetic_full_streams_the_same_weights_into_the_packed_store(monkeypat
     import synthetic_release
 
     write_release = synthetic_release.write_release
-    monkeypatch.setattr(synthetic_release, "write_release", lambda out_dir, size, **kwargs: write_release(out_dir, "tiny", **kwargs))
+    monkeypatch.setattr(
+        synthetic_release, "write_release", lambda out_dir, size, **kwargs: write_release(out_dir, "tiny", **kwargs)
+    )
     streamed = load("synthetic:full")
     assert streamed.kind == "modelopt:NVFP4" and "meaningless" in streamed.notice
     assert not list(streamed.checkpoint_dir.glob("model*.safetensors"))

@@ -52,7 +52,9 @@ def test_quantizer_equals_modelopt_codes_and_scale_bytes():
     weight = torch.randn(6, 64, generator=generator) * torch.tensor([1e-3, 0.02, 0.5, 3.0, 40.0, 1.0])[:, None]
     weight[2, 16:32] = 0  # an all-zero block gets scale 1.0
     weight[3, :16] = 1e-7  # far below the others: its block scale clamps to 2**-9
-    weight[5, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor([1.0, -1.0]).repeat_interleave(8)
+    weight[5, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor(
+        [1.0, -1.0]
+    ).repeat_interleave(8)
     weight = weight.to(torch.bfloat16)
     global_scale = weight.abs().amax().float() / (6 * 448)
     modelopt_packed, modelopt_block_scales, _ = NVFP4QTensor.quantize(weight, 16, weights_scaling_factor_2=global_scale)
@@ -64,7 +66,10 @@ def test_quantizer_equals_modelopt_codes_and_scale_bytes():
 
 def reference_fake_quant(x: torch.Tensor, input_scale: float) -> torch.Tensor:
     """Doc §2.3 step by step, one fp32 scalar at a time, with the rounding table of §2.3 as thresholds."""
-    f32 = lambda value: torch.tensor(value, dtype=torch.float32)  # noqa: E731
+
+    def f32(value) -> torch.Tensor:
+        return torch.tensor(value, dtype=torch.float32)
+
     blocks = x.float().view(-1, 16)
     out = torch.empty_like(blocks)
     for row, block in enumerate(blocks):
@@ -75,8 +80,21 @@ def reference_fake_quant(x: torch.Tensor, input_scale: float) -> torch.Tensor:
         for column, value in enumerate(block):
             v = float(value.abs() / scale)
             rounded = (
-                0 if v <= 0.25 else 0.5 if v < 0.75 else 1 if v <= 1.25 else 1.5 if v < 1.75
-                else 2 if v <= 2.5 else 3 if v < 3.5 else 4 if v <= 5 else 6
+                0
+                if v <= 0.25
+                else 0.5
+                if v < 0.75
+                else 1
+                if v <= 1.25
+                else 1.5
+                if v < 1.75
+                else 2
+                if v <= 2.5
+                else 3
+                if v < 3.5
+                else 4
+                if v <= 5
+                else 6
             )
             out[row, column] = (f32(rounded) * scale) * (1 if value >= 0 else -1)
     return out.view(x.shape)
@@ -158,8 +176,12 @@ def test_packed_forward_equals_transformers_eager_experts_on_the_dequantised_wei
     packed = random_packed_experts(text_config, has_input_scales=False)
     stock = Qwen3OmniMoeThinkerTextExperts(text_config)
     stock.to(torch.bfloat16)
-    stock.gate_up_proj.copy_(reference_dequantize(packed.gate_up_packed_codes, packed.gate_up_block_scales, packed.gate_up_global_scale))
-    stock.down_proj.copy_(reference_dequantize(packed.down_packed_codes, packed.down_block_scales, packed.down_global_scale))
+    stock.gate_up_proj.copy_(
+        reference_dequantize(packed.gate_up_packed_codes, packed.gate_up_block_scales, packed.gate_up_global_scale)
+    )
+    stock.down_proj.copy_(
+        reference_dequantize(packed.down_packed_codes, packed.down_block_scales, packed.down_global_scale)
+    )
     hidden_states, top_k_index, top_k_weights = routed_tokens(text_config)
     expected = stock(hidden_states, top_k_index, top_k_weights)
     got = packed(hidden_states, top_k_index, top_k_weights)
@@ -173,8 +195,12 @@ def test_simulated_fp4_activations_quantize_both_expert_inputs():
     text_config = tiny_text_config()
     packed = random_packed_experts(text_config, has_input_scales=True)
     packed.simulate_fp4_activations = True
-    gate_up_proj = reference_dequantize(packed.gate_up_packed_codes, packed.gate_up_block_scales, packed.gate_up_global_scale).float()
-    down_proj = reference_dequantize(packed.down_packed_codes, packed.down_block_scales, packed.down_global_scale).float()
+    gate_up_proj = reference_dequantize(
+        packed.gate_up_packed_codes, packed.gate_up_block_scales, packed.gate_up_global_scale
+    ).float()
+    down_proj = reference_dequantize(
+        packed.down_packed_codes, packed.down_block_scales, packed.down_global_scale
+    ).float()
     hidden_states, top_k_index, top_k_weights = routed_tokens(text_config)
     # W4A4 per doc §2.3, one token and one routed expert at a time, fp32 math on BF16-rounded activations
     expected = torch.zeros(hidden_states.shape)
