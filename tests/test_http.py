@@ -9,6 +9,7 @@ asked a good question after each one.
 
 import base64
 import contextlib
+import io
 import json
 import os
 import socket
@@ -18,10 +19,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import av
+import numpy as np
 import pytest
 import requests
+import soundfile
 import torch
 import uvicorn
+from PIL import Image
 
 import joint_schema_model
 import serve_clef
@@ -305,10 +310,6 @@ def test_unprocessable_requests_get_422_naming_the_field(server, request_body, p
 
 
 def test_image_over_16_megapixels_is_refused_before_decoding(server):
-    import io
-
-    from PIL import Image
-
     buffer = io.BytesIO()
     Image.new("L", (5000, 4000)).save(buffer, format="PNG")  # 20 MP, a few KB compressed
     response = post(server, media("images", data_url("image/png", buffer.getvalue())))
@@ -319,11 +320,6 @@ def test_image_over_16_megapixels_is_refused_before_decoding(server):
 @pytest.fixture(scope="session")
 def long_wav_bytes() -> bytes:
     """301 s of silence as 8 kHz 8-bit WAV: 2.4 MB, under every size limit, over the 300 s limit."""
-    import io
-
-    import numpy as np
-    import soundfile
-
     buffer = io.BytesIO()
     soundfile.write(buffer, np.zeros(301 * 8000, dtype=np.float32), 8000, format="WAV", subtype="PCM_U8")
     return buffer.getvalue()
@@ -332,11 +328,6 @@ def long_wav_bytes() -> bytes:
 @pytest.fixture(scope="session")
 def long_mp4_bytes() -> bytes:
     """62 s of 16x16 mpeg4 video at 1 fps: a few KB, over the 60 s limit."""
-    import io
-
-    import av
-    import numpy as np
-
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=1)
@@ -350,10 +341,6 @@ def long_mp4_bytes() -> bytes:
 
 def test_media_limits_measured_on_the_decoded_media(server, png_bytes, wav_bytes, mp4_silent_bytes, long_wav_bytes,
                                                     long_mp4_bytes):
-    import io
-
-    from PIL import Image
-
     gif = io.BytesIO()
     Image.new("RGB", (8, 8)).save(gif, format="GIF")
     megabytes = b"\x00" * (3 * 1024 * 1024)
