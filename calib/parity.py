@@ -43,14 +43,13 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: find serve_clef, joint_sc
 
 
 @torch.inference_mode()
-def score_records(loaded, records: list[dict], max_length: int | None = None) -> list[dict]:
+def score_records(loaded, records: list[dict]) -> list[dict]:
     """Per question of every record, in order: ids, option ids, fp32 probabilities, the record's tokens and ms."""
     schema, processor, model = loaded.schema, loaded.processor, loaded.model
     device = next(model.parameters()).device
     scored = []
     for record in records:
-        encoded = schema.encode_record(processor.tokenizer, record, max_length or schema.DEFAULT_MAX_LENGTH,
-                                       processor=processor)
+        encoded = schema.encode_record(processor.tokenizer, record, processor=processor)
         batch = schema.collate_records([encoded], processor.tokenizer.pad_token_id, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -136,31 +135,26 @@ def _forward_ms(scored: list[dict]) -> dict:
     return {"median": float(np.median(per_record)), "p95": float(np.percentile(per_record, 95))}
 
 
-def _experts_implementation(model) -> str | None:
-    for module in model.modules():
-        if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation"):
-            return module.config._experts_implementation
-    return None
-
-
-def _set_experts_implementation(model, name: str) -> None:
-    # The experts modules dispatch on their own (text) config at every call, so this switches the kernel in place.
-    for module in model.modules():
-        if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation"):
-            module.config._experts_implementation = name
+def _stock_experts_modules(model) -> list[torch.nn.Module]:
+    """transformers' own experts modules: they dispatch on their (text) config's experts implementation at every call."""
+    return [module for module in model.modules()
+            if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation")]
 
 
 def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[str], list[dict]]:
     """The noise-floor run: a BF16 model scored again through the other experts kernel (eager <-> grouped_mm)."""
-    current = _experts_implementation(loaded.model)
-    if current is None:
+    experts_modules = _stock_experts_modules(loaded.model)
+    if not experts_modules:
         raise ValueError(f"{loaded.checkpoint_dir} has no transformers experts modules to switch (packed experts?)")
+    current = experts_modules[0].config._experts_implementation
     other = "eager" if current != "eager" else "grouped_mm"
-    _set_experts_implementation(loaded.model, other)
+    for experts in experts_modules:
+        experts.config._experts_implementation = other
     try:
         return [current, other], score_records(loaded, records)
     finally:
-        _set_experts_implementation(loaded.model, current)
+        for experts in experts_modules:
+            experts.config._experts_implementation = current
 
 
 def describe(loaded) -> dict:
