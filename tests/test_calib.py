@@ -264,6 +264,20 @@ def test_resume_exports_the_same_bytes_without_calibrating(tiny_release, nvfp4_e
         quantize.main([str(tiny_release), str(other), "--device", "cpu", "--resume", "--weights-only"])
 
 
+def test_check_quantizers_names_an_uncalibrated_quantizer(tiny_release, nvfp4_export):
+    backbone, _, _ = quantize.load_for_calibration(tiny_release, "cpu")
+    backbone = quantize.restore_calibration_state(backbone, quantize.calibration_state_path(nvfp4_export), False)
+    quantize.check_quantizers(backbone, weights_only=False)
+    experts = backbone.thinker.model.language_model.layers[1].mlp.experts
+    experts.down_proj_input_quantizer.amax = torch.tensor(0.0)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.experts\.down_proj_input_quantizer: amax .* not calibrated"):
+        quantize.check_quantizers(backbone, weights_only=False)
+    experts.down_proj_input_quantizer.amax = torch.tensor(2.0)
+    experts.gate_up_proj_weight_quantizers[5].amax = torch.tensor(float("nan"))
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.experts\.gate_up_proj_weight_quantizers\.5: amax"):
+        quantize.check_quantizers(backbone, weights_only=False)
+
+
 # ---- parity ---------------------------------------------------------------------------------------------------------
 
 
