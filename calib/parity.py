@@ -227,7 +227,8 @@ def main(argv=None) -> dict:
                         "or the http(s) base URL of a running serve_clef")
     parser.add_argument("candidate", help="candidate checkpoint (normally the NVFP4 export), same forms")
     parser.add_argument("--records", type=int, default=128, help="held-out records (1..128, default 128)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--simulate-fp4-activations", action="store_true",
                         help="run a candidate checkpoint with serve_clef's W4A4 activation replay")
     parser.add_argument("--out", type=Path, help="write the JSON report here")

@@ -342,7 +342,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("out", type=Path, help="output directory for the NVFP4 checkpoint")
     parser.add_argument("--records", type=int, default=512, help="calibration records (1..512, default 512)")
     parser.add_argument("--weights-only", action="store_true", help="W4A16_NVFP4: expert input quantizers disabled")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse OUT.calibration.pt from an earlier run instead of calibrating again")
     return parser.parse_args(argv)
