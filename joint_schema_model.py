@@ -662,10 +662,10 @@ def load_processor(path):
 def load_frame_processor(path):
     """The release's `Qwen3OmniMoeProcessor` built without torchvision from the release's own files.
 
-    Its tokenizer, its image processor (the PIL variant where torchvision is missing), its `WhisperFeatureExtractor`,
+    Its tokenizer, its image processor (the PIL variant, which needs no torchvision), its `WhisperFeatureExtractor`,
     and a `FrameVideoProcessor` configured from its video processor settings.
     """
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen3OmniMoeProcessor
+    from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen2VLImageProcessorPil, Qwen3OmniMoeProcessor
 
     path = Path(path)
     # The constructor accepts only transformers' own video processor classes, which need torchvision: this subclass
@@ -677,7 +677,8 @@ def load_frame_processor(path):
     )
     chat_template = path / "chat_template.jinja"
     return processor_class(
-        image_processor=AutoImageProcessor.from_pretrained(path),
+        # The PIL variant by name: AutoImageProcessor picks the torchvision one on some transformers versions.
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
         video_processor=FrameVideoProcessor(**_video_processor_config(path)),
         feature_extractor=AutoFeatureExtractor.from_pretrained(path),
         tokenizer=AutoTokenizer.from_pretrained(path),
