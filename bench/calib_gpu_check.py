@@ -17,13 +17,13 @@ release (synthetic_release.py, seed 0):
 Tolerance (TOLERANCE below): both sides apply the same quantized weights and the same activation rounding; what
 differs is the experts kernel (ModelOpt needs the eager per-expert loop, serve_clef runs grouped_mm on unpacked
 weights), so results differ only by bf16 rounding order. BF16 keeps 8 significant bits: a reordered sum moves an
-activation by about 2^-9 relative, and on this release the joint head's logits are O(1) (its logit scales are
-initialised at exp(0) = 1), so a few such roundings move a probability by well under 0.005. Rarely, a moved
-activation crosses an E2M1 rounding boundary under W4A4 and one code jumps a step, which the model mostly averages
-away. 0.01 in |delta p| and in TV leaves a 2x margin over that. The same run prints what the check has to
-discriminate: the BF16 kernel noise floor (eager against grouped_mm, same weights) should be well below the tolerance,
-and the W4A4-against-W4A16 gap (what activation rounding alone changes) well above it; otherwise the check says
-little and the output says so.
+activation by about 2^-9 relative, and on this release the joint head's logits are O(1) (its logit scales are e^0.5
+and e^1 on cosines and a gated residual), so a few such roundings move a probability by well under 0.005. Rarely, a
+moved activation crosses an E2M1 rounding boundary under W4A4 and one code jumps a step, which the model mostly
+averages away. 0.01 in |delta p| and in TV leaves a 2x margin over that. The same run prints what the check has to
+discriminate: the BF16 kernel noise floor (eager against grouped_mm, same weights) should be well below the
+tolerance, and the W4A4-against-W4A16 gap (what activation rounding alone changes) well above it; otherwise the
+check says little and the output says so.
 
 Writes $OUT/calib_gpu_check.json when OUT is set; exits 1 when a difference exceeds the tolerance.
 """
