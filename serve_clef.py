@@ -21,6 +21,7 @@ decisions, HTTP.
 """
 
 import argparse
+import atexit
 import base64
 import binascii
 import contextlib
@@ -139,6 +140,7 @@ SYNTHETIC_NOTICE = "synthetic checkpoint: random weights, every answer is meanin
 # gives activations whose absolute max is 6: 6 / (6 * 448).
 SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
 SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
 
 # The two on-disk name layouts of the thinker's tensors (doc §3.4), as (hub layout, transformers-internal) prefixes.
 THINKER_NAME_LAYOUTS = (
@@ -454,11 +456,12 @@ def write_modelopt_metadata(checkpoint_dir: Path) -> None:
 def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable[[str], None]):
     """The checkpoint dir (ModelOpt NVFP4 layout) of a synthetic model and, for synthetic:full, its tensor stream.
 
-    `synthetic`: helper A's tiny BF16 release, its experts quantized and written as a ModelOpt export, then loaded
+    `synthetic`: synthetic_release.py's tiny BF16 release, its experts quantized and written as a ModelOpt export, then loaded
     from disk like any other. `synthetic:full`: the full-size release without weights on disk; its tensors are
     generated on `device` one at a time and quantized on the way into the packed store.
     """
     out_dir = Path(tempfile.mkdtemp(prefix="serve_clef-synthetic-"))
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)  # a synthetic checkpoint lives as long as its process
     if model_id == "synthetic:full":
         checkpoint_dir = synthetic_release.write_release(out_dir / "nvfp4", "full", weights=False)
         write_modelopt_metadata(checkpoint_dir)
@@ -533,10 +536,6 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     for experts in experts_modules(thinker).values():
         if isinstance(experts, PackedNVFP4Experts):
             experts.simulate_fp4_activations = args.simulate_fp4_activations
-    if packed and device.type == "cuda":
-        progress("compiling the NVFP4 unpack kernel (torch.compile, once per process)")
-        with torch.inference_mode():  # the mode decisions run in, so the first decision reuses this compilation
-            next(iter(experts_modules(thinker).values())).unpacked()
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
     if head_config["hidden_size"] != text_config.hidden_size:
@@ -556,6 +555,10 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     head.to(device=device, dtype=torch.bfloat16)
     model = schema.ClefModel(thinker, head).eval()
     processor = joint_schema_model.load_processor(checkpoint_dir)
+    if packed and device.type == "cuda":
+        # The packed path's kernels are compiled on first use (tens of seconds): do it now, not in the first request.
+        progress("compiling the packed-expert kernels (torch.compile, once per process)")
+        schema.systemone(model, processor, WARM_UP_REQUEST)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(model, processor, schema, kind, args.model, checkpoint_dir, load_s, notice)
@@ -569,12 +572,20 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 
 def round_to_e2m1_codes(magnitude: torch.Tensor) -> torch.Tensor:
     """Magnitude codes 0..7 (uint8) of non-negative values rounded to the E2M1 grid, to nearest with ties to even.
 
-    Left-sided searchsorted over the midpoints rounds every tie down; the ties whose upper neighbour has the even
-    mantissa (0.75 -> 1, 1.75 -> 2, 3.5 -> 4) then step up (doc §2.2 step 5, §2.3).
+    One step up per midpoint passed (doc §2.3's table). A tie goes to the even mantissa: it steps up only past the
+    midpoints whose upper neighbour is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4), hence >= there and > elsewhere. Plain
+    comparisons, so torch.compile fuses the rounding into the kernels around it.
     """
-    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=magnitude.device)
-    codes = torch.searchsorted(midpoints, magnitude.contiguous()) + torch.isin(magnitude, midpoints[1::2])
-    return codes.to(torch.uint8)
+    codes = (
+        (magnitude > 0.25).to(torch.uint8)
+        + (magnitude >= 0.75)
+        + (magnitude > 1.25)
+        + (magnitude >= 1.75)
+        + (magnitude > 2.5)
+        + (magnitude >= 3.5)
+        + (magnitude > 5.0)
+    )
+    return codes
 
 
 def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -708,17 +719,21 @@ class PackedNVFP4Experts(torch.nn.Module):
         experts.gate_up_proj.copy_(gate_up_proj)
         experts.down_proj.copy_(down_proj)
 
+    def fake_quant(self, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+        fake_quant = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
+        return fake_quant(activations, input_scale)
+
     def apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:  # [S, 2I] -> [S, I]
         gate, up = gate_up_out.chunk(2, dim=-1)
         intermediate = self.act_fn(gate) * up
         if self.simulate_fp4_activations:
-            intermediate = fake_quant_nvfp4_activations(intermediate, self.down_input_scale)
+            intermediate = self.fake_quant(intermediate, self.down_input_scale)
         return intermediate
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]
         if self.simulate_fp4_activations:
-            hidden_states = fake_quant_nvfp4_activations(hidden_states, self.gate_up_input_scale)
+            hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
         gate_up_proj, down_proj = self.unpacked()
         # The attributes transformers' grouped_mm experts function reads from a stock experts module (doc §8.3).
         stock_experts_view = types.SimpleNamespace(
@@ -756,6 +771,10 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
     quantized = rounded * block_scales
     quantized = torch.where(blocks >= 0, quantized, -quantized)
     return quantized.flatten(-2).to(activations.dtype)
+
+
+# Eager, the replay is a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
+fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activations, dynamic=True)
 
 
 # ==== decisions =======================================================================================================

@@ -4,7 +4,8 @@
    layer (128 experts, hidden 2048, width 768) and its time per layer (target: well under the 8.4 ms of the stock
    torch LUT unpack, near the ~0.4 ms bandwidth floor).
 2. `serve_clef.fake_quant_nvfp4_activations` equals ModelOpt's Triton W4A4 fake-quant kernel (`fp4_fake_quant_block`)
-   when nvidia-modelopt is installed (carry its wheel); skipped otherwise.
+   when nvidia-modelopt is installed (carry its wheel); skipped otherwise. Its compiled version (used on CUDA) equals
+   the eager one bit for bit, at two token counts.
 3. Time of one packed layer forward (`PackedNVFP4Experts`) at 512 tokens, top-8.
 
 Usage: python bench/check_nvfp4_gpu.py   (exit status 1 when a comparison fails)
@@ -93,6 +94,16 @@ def main() -> int:
         mismatches = (ours != theirs).sum().item()
         failures += mismatches > 0
         print(f"fake_quant_nvfp4_activations vs ModelOpt fp4_fake_quant_block: {mismatches} of {ours.numel()} differ")
+    input_scale = torch.tensor(11.0 / (6 * 448), device=device)
+    for rows in (512, 77):  # compiled with dynamic shapes: token counts vary per request
+        x = activations[:rows]
+        same = torch.equal(serve_clef.fake_quant_nvfp4_activations_compiled(x, input_scale),
+                           serve_clef.fake_quant_nvfp4_activations(x, input_scale))
+        failures += not same
+        print(f"compiled activation replay == eager, {rows} tokens: {same}")
+    eager_ms = cuda_ms(lambda: serve_clef.fake_quant_nvfp4_activations(activations, input_scale))
+    compiled_ms = cuda_ms(lambda: serve_clef.fake_quant_nvfp4_activations_compiled(activations, input_scale))
+    print(f"activation replay of [512, 2048]: eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms")
 
     top_k_weights, top_k_index = torch.rand(512, 128, generator=generator, device=device).softmax(-1).topk(8, dim=-1)
     for simulate in (False, True):
