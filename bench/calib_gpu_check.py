@@ -41,11 +41,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-import joint_schema_model  # noqa: E402
-import serve_clef  # noqa: E402
-import synthetic_release  # noqa: E402
-from calib import parity, quantize  # noqa: E402
-from calib.records import calibration_records, evaluation_records  # noqa: E402
+import joint_schema_model
+import serve_clef
+import synthetic_release
+from calib import parity, quantize
+from calib.records import calibration_records, evaluation_records
 
 TOLERANCE = 0.01  # max |delta p| and max TV (see the module doc)
 DEVICE = "cuda"

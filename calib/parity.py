@@ -82,7 +82,8 @@ def score_server(base_url: str, records: list[dict]) -> list[dict]:
         response = requests.post(f"{base_url.rstrip('/')}/v1/systemone", json=to_request(record), timeout=600)
         request_ms = (time.perf_counter() - started) * 1000
         if response.status_code != 200:
-            raise RuntimeError(f"{base_url}: HTTP {response.status_code} for record {record['id']}: {response.text[:500]}")
+            raise RuntimeError(f"{base_url}: HTTP {response.status_code} for record {record['id']}: "
+                               f"{response.text[:500]}")
         body = response.json()
         for question_id, question in record["questions"].items():
             answer = body["answers"][question_id]
@@ -136,7 +137,7 @@ def _forward_ms(scored: list[dict]) -> dict:
 
 
 def _stock_experts_modules(model) -> list[torch.nn.Module]:
-    """transformers' own experts modules: they dispatch on their (text) config's experts implementation at every call."""
+    """transformers' own experts modules, which dispatch on their (text) config's experts implementation per call."""
     return [module for module in model.modules()
             if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation")]
 
@@ -213,7 +214,9 @@ def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], 
 
     loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags))
     scores = score_records(loaded, records)
-    noise_floor = score_with_other_experts_kernel(loaded, records) if with_noise_floor and loaded.kind == "bf16" else None
+    noise_floor = None
+    if with_noise_floor and loaded.kind == "bf16":
+        noise_floor = score_with_other_experts_kernel(loaded, records)
     description = describe(loaded)
     del loaded
     if torch.cuda.is_available():

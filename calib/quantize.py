@@ -57,7 +57,8 @@ NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json
                         r"generation_config\.json|hf_quant_config\.json|SHA256SUMS)$")
 # Expert tensors of the thinker's text decoder in either naming layout (doc §3.4).
 EXPERT_TENSOR = re.compile(r"^(?:thinker\.)?model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
-PER_EXPERT_TENSOR = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
+PER_EXPERT_TENSOR = re.compile(
+    r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -65,7 +66,7 @@ class ExportCheckError(RuntimeError):
     """An exported checkpoint is not a complete, valid NVFP4-experts checkpoint; the message names the tensor."""
 
 
-# ==== loading ==========================================================================================================
+# ==== loading =========================================================================================================
 
 
 def load_for_calibration(release_dir: Path, device: str):
@@ -85,7 +86,8 @@ def load_for_calibration(release_dir: Path, device: str):
     )
     missing = list(info.get("missing_keys") or [])
     if missing:
-        raise RuntimeError(f"{release_dir}: the release lacks thinker weights {missing[:8]} (and {len(missing)} in all)")
+        raise RuntimeError(f"{release_dir}: the release lacks thinker weights {missing[:8]} "
+                           f"({len(missing)} in all)")
     head = JointSchemaHead(**json.loads((release_dir / "joint_head_config.json").read_text()))
     head.load_state_dict(safetensors.torch.load_file(release_dir / "joint_head.safetensors"), strict=True)
     head.to(device=device, dtype=torch.bfloat16)
@@ -104,7 +106,7 @@ def quantization_config(weights_only: bool) -> dict:
     return config
 
 
-# ==== calibration ======================================================================================================
+# ==== calibration =====================================================================================================
 
 
 def calibration_forward_loop(clef, processor, records: list[dict], device: str):
@@ -131,7 +133,8 @@ def calibrate(backbone, clef, processor, records: list[dict], weights_only: bool
     """mtq.quantize with `max` calibration over the records; checks every expert quantizer afterwards."""
     import modelopt.torch.quantization as mtq
 
-    mtq.quantize(backbone, quantization_config(weights_only), calibration_forward_loop(clef, processor, records, device))
+    forward_loop = calibration_forward_loop(clef, processor, records, device)
+    mtq.quantize(backbone, quantization_config(weights_only), forward_loop)
     check_quantizers(backbone, weights_only)
 
 
@@ -166,7 +169,8 @@ def save_calibration_state(backbone, path: Path, weights_only: bool, record_coun
     """ModelOpt's mode state plus every quantizer tensor (amax buffers): enough to rebuild the calibrated model."""
     import modelopt.torch.opt as mto
 
-    quantizer_tensors = {key: value.detach().cpu() for key, value in backbone.state_dict().items() if "quantizer" in key}
+    quantizer_tensors = {key: value.detach().cpu() for key, value in backbone.state_dict().items()
+                         if "quantizer" in key}
     torch.save({"modelopt_state": mto.modelopt_state(backbone), "quantizer_tensors": quantizer_tensors,
                 "weights_only": weights_only, "records": record_count}, path)
 
@@ -190,7 +194,7 @@ def restore_calibration_state(backbone, path: Path, weights_only: bool):
     return backbone
 
 
-# ==== export ===========================================================================================================
+# ==== export ==========================================================================================================
 
 
 def _thinker_forward(self, input_ids=None, **kwargs):
@@ -255,7 +259,7 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
             if shard.name == "joint_head.safetensors":
                 continue
             handle = stack.enter_context(safe_open(shard, "pt"))
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 match = EXPERT_TENSOR.match(key)
                 if match is None:
                     continue
@@ -333,7 +337,7 @@ def write_sha256sums(export_dir: Path) -> Path:
     return sums
 
 
-# ==== command line =====================================================================================================
+# ==== command line ====================================================================================================
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -126,7 +126,8 @@ def test_export_packs_every_expert_of_the_release(tiny_release, nvfp4_export):
     layers, experts = config["num_hidden_layers"], config["num_experts"]
     quant = json.loads((nvfp4_export / "hf_quant_config.json").read_text())["quantization"]
     assert quant["quant_algo"] == "NVFP4" and quant["group_size"] == 16
-    assert any("visual" in m for m in quant["exclude_modules"]) and any("audio_tower" in m for m in quant["exclude_modules"])
+    excluded = quant["exclude_modules"]
+    assert any("visual" in m for m in excluded) and any("audio_tower" in m for m in excluded)
 
     exported, release = _tensors(nvfp4_export), _tensors(tiny_release)
     packed = [name for name, tensor in exported.items() if ".experts." in name and name.endswith(".weight")]
@@ -270,7 +271,8 @@ def test_check_quantizers_names_an_uncalibrated_quantizer(tiny_release, nvfp4_ex
     quantize.check_quantizers(backbone, weights_only=False)
     experts = backbone.thinker.model.language_model.layers[1].mlp.experts
     experts.down_proj_input_quantizer.amax = torch.tensor(0.0)
-    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.experts\.down_proj_input_quantizer: amax .* not calibrated"):
+    message = r"layers\.1\.mlp\.experts\.down_proj_input_quantizer: amax .* not calibrated"
+    with pytest.raises(RuntimeError, match=message):
         quantize.check_quantizers(backbone, weights_only=False)
     experts.down_proj_input_quantizer.amax = torch.tensor(2.0)
     experts.gate_up_proj_weight_quantizers[5].amax = torch.tensor(float("nan"))
