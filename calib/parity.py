@@ -41,6 +41,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: find serve_clef, joint_schema_model and calib
     sys.path.insert(0, str(REPO_ROOT))
 
+from calib.records import evaluation_records, to_request
+
 
 @torch.inference_mode()
 def score_records(loaded, records: list[dict]) -> list[dict]:
@@ -73,7 +75,6 @@ def score_server(base_url: str, records: list[dict]) -> list[dict]:
     noul answers give only P(true), and `forward_ms` is the whole request round trip."""
     import requests
 
-    from calib.records import to_request
     from joint_schema_model import question_options
 
     scored = []
@@ -236,9 +237,6 @@ def main(argv=None) -> dict:
                         help="run a candidate checkpoint with serve_clef's W4A4 activation replay")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     args = parser.parse_args(argv)
-
-    from calib.records import evaluation_records
-
     records = evaluation_records(args.records)
     # One checkpoint in memory at a time: BF16 Clef-Omni alone takes ~64 GB.
     reference_description, reference_scores, noise_floor = _score(args.reference, records, args.device, [], True)

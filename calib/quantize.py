@@ -49,6 +49,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script (`python calib/quantize.py`, `uv run`): find the repo modules
     sys.path.insert(0, str(REPO_ROOT))
 
+from calib.records import calibration_records
+
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
 # audio tower, the talker or code2wav (doc §4.2). The joint head is never handed to ModelOpt at all.
 KEEP_BF16 = ("*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*")
@@ -355,8 +357,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from calib.records import calibration_records
-
     state_path = calibration_state_path(args.out)
     if args.resume and not state_path.exists():
         raise SystemExit(f"--resume: {state_path} does not exist; run without --resume to calibrate")
