@@ -269,7 +269,7 @@ def test_check_quantizers_names_an_uncalibrated_quantizer(tiny_release, nvfp4_ex
     backbone, _, _ = quantize.load_for_calibration(tiny_release, "cpu")
     backbone = quantize.restore_calibration_state(backbone, quantize.calibration_state_path(nvfp4_export), False)
     quantize.check_quantizers(backbone, weights_only=False)
-    experts = backbone.thinker.model.language_model.layers[1].mlp.experts
+    experts = next(module for name, module in backbone.named_modules() if name.endswith("layers.1.mlp.experts"))
     experts.down_proj_input_quantizer.amax = torch.tensor(0.0)
     message = r"layers\.1\.mlp\.experts\.down_proj_input_quantizer: amax .* not calibrated"
     with pytest.raises(RuntimeError, match=message):
