@@ -21,9 +21,11 @@ decisions, HTTP.
 """
 
 import argparse
+import asyncio
 import atexit
 import base64
 import binascii
+import concurrent.futures
 import contextlib
 import gc
 import hmac
@@ -57,7 +59,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -597,10 +598,12 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
     num_experts, rows, half_columns = packed_codes.shape
     codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).view(num_experts, rows, 2 * half_columns)
     # E2M1: bit 3 sign, bits 1-2 exponent, bit 0 mantissa; exponent 0 is subnormal (0 or 0.5), otherwise
-    # 2**(exponent - 1) * (1 + mantissa / 2): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-    exponent = ((codes >> 1) & 0b11).float()
-    mantissa = (codes & 1).float()
-    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1) * (1 + 0.5 * mantissa))
+    # 2**(exponent - 1) * (1 + mantissa / 2): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. In integer halves, so the
+    # compiled kernel stays exact (GPU exp2 is approximate): 0, 1, 2, 3, 4, 6, 8, 12.
+    exponent = ((codes >> 1) & 0b11).to(torch.int32)
+    mantissa = (codes & 1).to(torch.int32)
+    halves = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
+    magnitude = halves.float() * 0.5
     values = torch.where(codes >= 8, -magnitude, magnitude)  # [E, O, K]
     per_block = block_scales.float() * global_scale[:, None, None]  # [E, O, K/16]
     weight = values.view(num_experts, rows, -1, 16) * per_block.unsqueeze(-1)  # [E, O, K/16, 16]
@@ -1134,6 +1137,9 @@ class ClefService:
         self.loaded: LoadedClef | None = None
         self.load_error: str | None = None
         self.lock = threading.Lock()
+        # Every decision runs on this one long-lived thread: the device does one decision at a time anyway, and a
+        # fresh thread per request pays CUDA's per-thread set-up (library handles) again on its first decision.
+        self.scorer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve_clef-scorer")
 
     def load_in_background(self) -> None:
         try:
@@ -1223,7 +1229,8 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         loaded = service.ready()
         payload = await read_json_body(request)
         # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
-        response = await run_in_threadpool(decide, loaded, payload, args.max_length, service.lock)
+        scoring = service.scorer.submit(decide, loaded, payload, args.max_length, service.lock)
+        response = await asyncio.wrap_future(scoring)
         return JSONResponse(response)
 
     @app.get("/v1/models")
