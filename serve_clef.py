@@ -556,9 +556,10 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     head.to(device=device, dtype=torch.bfloat16)
     model = schema.ClefModel(thinker, head).eval()
     processor = joint_schema_model.load_processor(checkpoint_dir)
-    if packed and device.type == "cuda":
-        # The packed path's kernels are compiled on first use (tens of seconds): do it now, not in the first request.
-        progress("compiling the packed-expert kernels (torch.compile, once per process)")
+    if device.type == "cuda":
+        # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
+        # now, not in the first request.
+        progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(model, processor, WARM_UP_REQUEST)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
