@@ -34,6 +34,7 @@ import importlib.util
 import io
 import json
 import os
+import queue
 import re
 import shutil
 import sys
@@ -1094,7 +1095,7 @@ def decide(loaded: LoadedClef, request: Any, max_length: int, lock: threading.Lo
 
 
 # ==== HTTP ============================================================================================================
-# FastAPI app over `decide`: the port opens at once and the model loads in a background thread; until it is ready the
+# FastAPI app over `decide`: the port opens at once and the model loads on the scoring thread; until it is ready the
 # decision and health endpoints answer 503. Every error body has the shapes of systemone-api.md §6.1.
 
 MAX_BODY_BYTES = 13 * MiB
@@ -1138,9 +1139,27 @@ class ClefService:
         self.loaded: LoadedClef | None = None
         self.load_error: str | None = None
         self.lock = threading.Lock()
-        # Every decision runs on this one long-lived thread: the device does one decision at a time anyway, and a
-        # fresh thread per request pays CUDA's per-thread set-up (library handles) again on its first decision.
-        self.scorer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve_clef-scorer")
+        # Loading and every decision run on one long-lived thread: the device does one decision at a time anyway, and
+        # a fresh thread pays CUDA's per-thread set-up (library handles) again on its first decision. A daemon thread,
+        # so that stopping the server during a long load does not wait for the load to finish.
+        self.scorer_jobs = queue.SimpleQueue()
+        threading.Thread(target=self.score_forever, name="serve_clef-scorer", daemon=True).start()
+
+    def on_scorer(self, function: Callable, *args: Any) -> concurrent.futures.Future:
+        """Run function(*args) on the scoring thread, after the jobs queued before it."""
+        future = concurrent.futures.Future()
+        self.scorer_jobs.put((future, function, args))
+        return future
+
+    def score_forever(self) -> None:
+        while True:
+            future, function, args = self.scorer_jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its client went away while it waited
+            try:
+                future.set_result(function(*args))
+            except BaseException as error:  # handed to the request that is waiting for it
+                future.set_exception(error)
 
     def load_in_background(self) -> None:
         try:
@@ -1194,12 +1213,12 @@ async def read_json_body(request: Request) -> Any:
 
 
 def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:
-    """The HTTP app; its startup begins loading the model with `load` (default `load_clef`) in a background thread."""
+    """The HTTP app; its startup begins loading the model with `load` (default `load_clef`) on the scoring thread."""
     service = ClefService(args, load or load_clef)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=service.load_in_background, name="serve_clef-load", daemon=True).start()
+        service.on_scorer(service.load_in_background)  # the thread that loads (and warms up) is the one that scores
         yield
 
     app = FastAPI(title="serve_clef", lifespan=lifespan)
@@ -1230,7 +1249,7 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         loaded = service.ready()
         payload = await read_json_body(request)
         # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
-        scoring = service.scorer.submit(decide, loaded, payload, args.max_length, service.lock)
+        scoring = service.on_scorer(decide, loaded, payload, args.max_length, service.lock)
         response = await asyncio.wrap_future(scoring)
         return JSONResponse(response)
 
