@@ -1,8 +1,8 @@
 """GPU check of serve_clef's packed NVFP4 experts at Clef-Omni size (run by the lead on the H200).
 
 1. `serve_clef.unpack_nvfp4_compiled` (torch.compile) equals the eager `unpack_nvfp4` as numbers on one full-size
-   layer (bit patterns may differ in the sign of zero, E2M1 code 8) (128 experts, hidden 2048, width 768) and its time per layer (target: well under the 8.4 ms of the stock
-   torch LUT unpack, near the ~0.4 ms bandwidth floor).
+   layer (128 experts, hidden 2048, width 768; bit patterns may differ in the sign of zero, E2M1 code 8), and its
+   time per layer (target: well under the 8.4 ms of the stock torch LUT unpack, near the ~0.4 ms bandwidth floor).
 2. `serve_clef.fake_quant_nvfp4_activations` equals ModelOpt's Triton W4A4 fake-quant kernel (`fp4_fake_quant_block`)
    when nvidia-modelopt is installed (carry its wheel); skipped otherwise; eager and compiled (used on CUDA) replay
    are both counted against it, and against each other at two token counts. ModelOpt's Triton kernel divides with
