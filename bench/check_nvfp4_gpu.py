@@ -1,4 +1,4 @@
-"""GPU check of serve_clef's packed NVFP4 experts at Clef-Omni size (run by the lead on the H200).
+"""GPU check of serve_clef's packed NVFP4 experts at Clef-Omni size, on a CUDA machine (here: the H200).
 
 1. `serve_clef.unpack_nvfp4_compiled` (torch.compile) equals the eager `unpack_nvfp4` as numbers on one full-size
    layer (128 experts, hidden 2048, width 768; bit patterns may differ in the sign of zero, E2M1 code 8), and its
