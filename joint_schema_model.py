@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# ---- constants ----------------------------------------------------------------------------------------------------
+# ---- constants -------------------------------------------------------------------------------------------------------
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -76,7 +76,7 @@ class EncodedRecord:
     media: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
-# ---- prompt and spans -----------------------------------------------------------------------------------------------
+# ---- prompt and spans ------------------------------------------------------------------------------------------------
 
 
 def render(value: Any) -> str:
@@ -142,7 +142,9 @@ def encode_record(
             option_ids.append(option_id)
             schema_ids += _tokens(tokenizer, "\n")
         schema_ids += _tokens(tokenizer, "END FIELD\n")
-        schema_questions.append((str(question_id), QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids))
+        schema_questions.append(
+            (str(question_id), QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids)
+        )
     suffix_ids = _tokens(tokenizer, _PROMPT_SUFFIX)
 
     if max_state_tokens is not None:
@@ -170,10 +172,12 @@ def encode_record(
     )
     if not input_ids or not questions:
         raise ValueError("record produced no model input or questions")
-    return EncodedRecord(input_ids=input_ids, questions=questions, record_id=str(record.get("id", "unknown")), media=media)
+    return EncodedRecord(
+        input_ids=input_ids, questions=questions, record_id=str(record.get("id", "unknown")), media=media
+    )
 
 
-# ---- media ----------------------------------------------------------------------------------------------------------
+# ---- media -----------------------------------------------------------------------------------------------------------
 
 
 def _media_bytes(value) -> bytes:
@@ -331,7 +335,7 @@ def _takes_audio_from_video_indices(processor) -> bool:
     )
 
 
-# ---- batching -------------------------------------------------------------------------------------------------------
+# ---- batching --------------------------------------------------------------------------------------------------------
 
 
 def collate_records(records: list[EncodedRecord], pad_token_id: int, device) -> dict:
@@ -367,7 +371,7 @@ def collate_records(records: list[EncodedRecord], pad_token_id: int, device) -> 
     }
 
 
-# ---- joint schema head ------------------------------------------------------------------------------------------------
+# ---- joint schema head -----------------------------------------------------------------------------------------------
 
 
 class EvidenceRoutingLayer(nn.Module):
@@ -381,7 +385,11 @@ class EvidenceRoutingLayer(nn.Module):
         self.attention_dropout = nn.Dropout(dropout)
         self.feedforward_norm = nn.LayerNorm(width)
         self.feedforward = nn.Sequential(
-            nn.Linear(width, feedforward), nn.GELU(), nn.Dropout(dropout), nn.Linear(feedforward, width), nn.Dropout(dropout)
+            nn.Linear(width, feedforward),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(feedforward, width),
+            nn.Dropout(dropout),
         )
 
     def forward(self, queries: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:  # [1,N,W], [1,T,W] -> [1,N,W]
@@ -449,8 +457,12 @@ class JointSchemaHead(nn.Module):
             sequence = normalized[b, :length]  # [T,H]
             memory = self.memory_projection(sequence)[None]  # [1,T,W]
             global_vector = sequence[-1]  # [H], the last token of "DECISIONS:"
-            question_vectors = torch.stack([sequence[s:e].mean(0) for s, e in (q.question_span for q in record.questions)])  # [Q,H]
-            type_ids = torch.tensor([q.question_type for q in record.questions], dtype=torch.long, device=sequence.device)
+            question_vectors = torch.stack(
+                [sequence[s:e].mean(0) for s, e in (q.question_span for q in record.questions)]
+            )  # [Q,H]
+            type_ids = torch.tensor(
+                [q.question_type for q in record.questions], dtype=torch.long, device=sequence.device
+            )
 
             lexical_per_question, queries = [], []
             for k, question in enumerate(record.questions):
@@ -493,16 +505,19 @@ class JointSchemaHead(nn.Module):
                 options = self.option_norm(routed_options)  # [n_k,W]
                 field_vector = fields[k].expand_as(options)  # [n_k,W]
                 cosine = F.cosine_similarity(field_vector, options, dim=-1)  # [n_k]
-                pair = torch.cat([field_vector, options, field_vector * options, (field_vector - options).abs()], dim=-1)
+                pair = torch.cat(
+                    [field_vector, options, field_vector * options, (field_vector - options).abs()], dim=-1
+                )
                 residual = self.residual_scorer(pair).squeeze(-1)  # [n_k]
                 record_logits.append(
-                    prior + torch.sigmoid(self.residual_gate) * (_logit_scale(self.joint_logit_scale) * cosine + residual)
+                    prior
+                    + torch.sigmoid(self.residual_gate) * (_logit_scale(self.joint_logit_scale) * cosine + residual)
                 )
             batch_logits.append(record_logits)
         return batch_logits
 
 
-# ---- the model ----------------------------------------------------------------------------------------------------------
+# ---- the model -------------------------------------------------------------------------------------------------------
 
 
 class ClefModel(nn.Module):
@@ -544,7 +559,7 @@ class ClefModel(nn.Module):
         )
 
 
-# ---- answers --------------------------------------------------------------------------------------------------------------
+# ---- answers ---------------------------------------------------------------------------------------------------------
 
 
 def systemone_answer(question: dict, probabilities: dict[str, float]) -> dict:
@@ -598,7 +613,7 @@ def systemone(model, processor, request: dict, max_length: int = DEFAULT_MAX_LEN
     }
 
 
-# ---- loading a BF16 release -----------------------------------------------------------------------------------------------
+# ---- loading a BF16 release ------------------------------------------------------------------------------------------
 
 
 def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_pretrained_kwargs):
@@ -621,13 +636,20 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
     transformers.logging.set_verbosity_error()
     try:
         backbone, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-            path, config=config, dtype=dtype, device_map={"": device}, output_loading_info=True, **from_pretrained_kwargs
+            path,
+            config=config,
+            dtype=dtype,
+            device_map={"": device},
+            output_loading_info=True,
+            **from_pretrained_kwargs,
         )
     finally:
         transformers.logging.set_verbosity(verbosity)
     problems = {
         "missing": list(info.get("missing_keys") or []),
-        "unexpected": [key for key in info.get("unexpected_keys") or [] if not key.startswith(("talker.", "code2wav."))],
+        "unexpected": [
+            key for key in info.get("unexpected_keys") or [] if not key.startswith(("talker.", "code2wav."))
+        ],
         "mismatched": list(info.get("mismatched_keys") or []),
     }
     problems = {kind: keys for kind, keys in problems.items() if keys}
@@ -640,7 +662,7 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
     return ClefModel(backbone.thinker, head).eval(), processor
 
 
-# ---- processor loading (CPU without torchvision) ----------------------------------------------------------------------
+# ---- processor loading (CPU without torchvision) ---------------------------------------------------------------------
 
 
 def load_processor(path):
@@ -742,8 +764,18 @@ class FrameVideoProcessor:
         return f"{type(self).__name__}({json.dumps(self.to_dict())})"
 
     def to_dict(self) -> dict:
-        return {key: getattr(self, key) for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                                                    "image_std", "rescale_factor", "size")}
+        return {
+            key: getattr(self, key)
+            for key in (
+                "patch_size",
+                "temporal_patch_size",
+                "merge_size",
+                "image_mean",
+                "image_std",
+                "rescale_factor",
+                "size",
+            )
+        }
 
     def __call__(self, videos, size=None, do_sample_frames=False, return_tensors=None, **options):
         """`Qwen2VLVideoProcessor(videos, ...)`; decoding/sampling `options` (fps, device...) do not apply to frames."""
@@ -768,7 +800,11 @@ class FrameVideoProcessor:
             if pad := -frames.shape[0] % t:
                 frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
             height, width = smart_resize(
-                frames.shape[2], frames.shape[3], p * m, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"]
+                frames.shape[2],
+                frames.shape[3],
+                p * m,
+                min_pixels=size["shortest_edge"],
+                max_pixels=size["longest_edge"],
             )
             frames = F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
             frames = (frames.round().clamp(0, 255) - mean) / std  # [T,3,h,w]

@@ -656,7 +656,6 @@ def synthetic_wav(seconds: float = 1.5) -> bytes:
     import io
     import wave
 
-    import numpy as np
 
     buffer = io.BytesIO()
     with wave.open(buffer, "wb") as wav:

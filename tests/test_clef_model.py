@@ -118,7 +118,9 @@ def test_image_audio_and_video_request(clef, png_bytes, wav_bytes, mp4_with_audi
     assert media["use_audio_in_video"] is True  # the only video has a soundtrack
     tokenizer = processor.tokenizer
     ids = list(encoded.input_ids)
-    image_pad, audio_pad, video_pad = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|audio_pad|>", "<|video_pad|>"))
+    image_pad, audio_pad, video_pad = (
+        tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|audio_pad|>", "<|video_pad|>")
+    )
     # image pads: prod(grid_thw) / merge^2
     assert ids.count(image_pad) == int(media["image_grid_thw"].prod()) // 4
     assert ids.count(video_pad) == int(media["video_grid_thw"].prod()) // 4
@@ -165,7 +167,9 @@ def test_bad_media_raise_clear_value_errors(clef, wav_bytes, png_bytes):
         with pytest.raises(ValueError, match=phrase):
             jsm.encode_record(processor.tokenizer, record, processor=processor)
     with pytest.raises(ValueError, match="require a processor"):
-        jsm.encode_record(processor.tokenizer, {"state": "s", "questions": {"q": {"type": "noul"}}, "images": [png_bytes]})
+        jsm.encode_record(
+            processor.tokenizer, {"state": "s", "questions": {"q": {"type": "noul"}}, "images": [png_bytes]}
+        )
 
 
 def test_systemone_validation_messages(clef):
@@ -176,7 +180,10 @@ def test_systemone_validation_messages(clef):
         ({"model": "m", "questions": QUESTIONS}, "model and state are required"),
         ({"model": "m", "state": "s", "questions": {}}, "at least one question is required"),
         ({"model": "m", "state": "s", "questions": {"q": {"type": "rank"}}}, "q: type must be noul, choice, or score"),
-        ({"model": "m", "state": "s", "questions": {"q": {"type": "choice", "criteria": {}}}}, "q: criteria must not be empty"),
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "choice", "criteria": {}}}},
+            "q: criteria must not be empty",
+        ),
     ]
     for request, message in cases:
         with pytest.raises(ValueError) as error:

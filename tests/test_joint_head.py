@@ -74,8 +74,15 @@ def test_head_parameters_match_the_release_files(hidden_size, published_count):
     # The spec's closed form, as a second check on the table.
     H, W, F, R, L = hidden_size, 1024, 4096, 2, 4
     closed_form = (
-        2 * H + 6 * W * H + 3 * W + R * (4 * W * W + 2 * W * F + 11 * W + F) + 2 * W
-        + L * (8 * W * W + 2 * W * F + 15 * W + F) + 4 * W + (4 * W * W + 2 * W + 1) + 3
+        2 * H
+        + 6 * W * H
+        + 3 * W
+        + R * (4 * W * W + 2 * W * F + 11 * W + F)
+        + 2 * W
+        + L * (8 * W * W + 2 * W * F + 15 * W + F)
+        + 4 * W
+        + (4 * W * W + 2 * W + 1)
+        + 3
     )
     assert closed_form == published_count
 
@@ -84,7 +91,15 @@ def test_scalars_start_at_zero_and_config_keys_are_the_constructor_arguments():
     head = jsm.JointSchemaHead(hidden_size=16, width=8, routing_layers=1, layers=1, heads=2, feedforward=16)
     for scalar in (head.prior_logit_scale, head.joint_logit_scale, head.residual_gate):
         assert scalar.shape == () and scalar.item() == 0.0
-    config = {"hidden_size": 16, "width": 8, "routing_layers": 1, "layers": 1, "heads": 2, "feedforward": 16, "dropout": 0.0}
+    config = {
+        "hidden_size": 16,
+        "width": 8,
+        "routing_layers": 1,
+        "layers": 1,
+        "heads": 2,
+        "feedforward": 16,
+        "dropout": 0.0,
+    }
     jsm.JointSchemaHead(**config)  # joint_head_config.json is splatted into the constructor
 
 

@@ -202,9 +202,21 @@ def test_module_constants_are_the_release_values():
     assert jsm.MAX_VIDEO_FRAME_PIXELS == 262_144
     assert jsm.IMAGE_SIZE == {"shortest_edge": 65_536, "longest_edge": 1_048_576}
     public = [
-        "EncodedQuestion", "EncodedRecord", "render", "question_options", "encode_record", "collate_records",
-        "load_image", "load_audio", "load_video", "EvidenceRoutingLayer", "JointSchemaHead", "ClefModel",
-        "systemone_answer", "systemone", "load_release_model",
+        "EncodedQuestion",
+        "EncodedRecord",
+        "render",
+        "question_options",
+        "encode_record",
+        "collate_records",
+        "load_image",
+        "load_audio",
+        "load_video",
+        "EvidenceRoutingLayer",
+        "JointSchemaHead",
+        "ClefModel",
+        "systemone_answer",
+        "systemone",
+        "load_release_model",
     ]
     assert all(callable(getattr(jsm, name)) for name in public)
 
@@ -212,7 +224,12 @@ def test_module_constants_are_the_release_values():
 def test_answers_follow_the_reference_rules():
     choice = {"type": "choice", "criteria": {"b": "x", "a": "y", "c": "z"}}
     answer = jsm.systemone_answer(choice, {"a": 0.4, "b": 0.4, "c": 0.2})
-    assert answer == {"type": "choice", "choice": "b", "confidence": 0.4, "probabilities": {"b": 0.4, "a": 0.4, "c": 0.2}}
+    assert answer == {
+        "type": "choice",
+        "choice": "b",
+        "confidence": 0.4,
+        "probabilities": {"b": 0.4, "a": 0.4, "c": 0.2},
+    }
     assert list(answer) == ["type", "choice", "confidence", "probabilities"]
     assert list(answer["probabilities"]) == ["b", "a", "c"]  # request order, not sorted
 
@@ -225,4 +242,7 @@ def test_answers_follow_the_reference_rules():
         "legend": {"0": "low", "1": "mid", "2": "high"},
         "probabilities": {"0": 0.1235, "1": 0.5, "2": 0.3765},
     }
-    assert jsm.systemone_answer({"type": "noul"}, {"true": 0.987654, "false": 0.012346}) == {"type": "noul", "noul": 0.9877}
+    assert jsm.systemone_answer({"type": "noul"}, {"true": 0.987654, "false": 0.012346}) == {
+        "type": "noul",
+        "noul": 0.9877,
+    }

@@ -1,6 +1,5 @@
 """Synthetic releases against transformers' own save/load, and the CPU processor against the processing formulas."""
 
-import io
 import json
 import math
 
