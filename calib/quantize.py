@@ -3,6 +3,7 @@
 # dependencies = [
 #   "torch>=2.9",
 #   "transformers>=5.17",
+#   "accelerate",
 #   "nvidia-modelopt==0.47.*",
 #   "requests",
 #   "safetensors",
