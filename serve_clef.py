@@ -458,9 +458,9 @@ def write_modelopt_metadata(checkpoint_dir: Path) -> None:
 def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable[[str], None]):
     """The checkpoint dir (ModelOpt NVFP4 layout) of a synthetic model and, for synthetic:full, its tensor stream.
 
-    `synthetic`: synthetic_release.py's tiny BF16 release, its experts quantized and written as a ModelOpt export, then loaded
-    from disk like any other. `synthetic:full`: the full-size release without weights on disk; its tensors are
-    generated on `device` one at a time and quantized on the way into the packed store.
+    `synthetic`: synthetic_release.py's tiny BF16 release, its experts quantized and written as a ModelOpt export,
+    then loaded from disk like any other. `synthetic:full`: the full-size release without weights on disk; its
+    tensors are generated on `device` one at a time and quantized on the way into the packed store.
     """
     out_dir = Path(tempfile.mkdtemp(prefix="serve_clef-synthetic-"))
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)  # a synthetic checkpoint lives as long as its process
@@ -784,8 +784,8 @@ fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activatio
 
 # ==== decisions =======================================================================================================
 # A request is checked field by field (systemone-api.md §2) before anything is decoded; then its media are decoded and
-# measured; then the release's own `systemone()` scores it under a lock: one decision at a time per device, and the
-# fast tokenizer (not thread safe) is never used from two threads at once.
+# measured; then the release's own `systemone()` scores it. Decisions run one at a time, on one thread (the server's
+# scoring thread): the device does one decision at a time, and the fast tokenizer is not thread safe.
 
 MiB = 1024 * 1024
 MAX_QUESTIONS = 64
@@ -1061,23 +1061,25 @@ def decode_media(record: dict, schema: types.ModuleType) -> dict:
     return decoded
 
 
-def decide(loaded: LoadedClef, request: Any, max_length: int, lock: threading.Lock) -> dict:
-    """Answer one SystemOne request (systemone-api.md §3), or raise RequestError saying why it is refused."""
+def decide(loaded: LoadedClef, request: Any, max_length: int) -> dict:
+    """Answer one SystemOne request (systemone-api.md §3), or raise RequestError saying why it is refused.
+
+    Not thread safe: call it from one thread at a time (the HTTP server calls it on its scoring thread only).
+    """
     started = time.perf_counter()
     record, truncate = validate_request(request)
     record = decode_media(record, loaded.schema)
     schema, processor = loaded.schema, loaded.processor
     out_of_memory = False
     try:
-        with lock:
-            if not truncate:
-                # The reference always cuts the state to fit; a caller who refuses truncation gets 413 instead.
-                encoded = schema.encode_record(processor.tokenizer, record, sys.maxsize, processor=processor)
-                needed = len(encoded.input_ids)
-                if needed > max_length:
-                    raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} "
-                                       f"tokens and truncate is false; maximum is {max_length}", "context_too_long")
-            response = schema.systemone(loaded.model, processor, record, max_length)
+        if not truncate:
+            # The reference always cuts the state to fit; a caller who refuses truncation gets 413 instead.
+            encoded = schema.encode_record(processor.tokenizer, record, sys.maxsize, processor=processor)
+            needed = len(encoded.input_ids)
+            if needed > max_length:
+                raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} "
+                                   f"tokens and truncate is false; maximum is {max_length}", "context_too_long")
+        response = schema.systemone(loaded.model, processor, record, max_length)
     except torch.OutOfMemoryError:
         out_of_memory = True  # memory is freed below, once the exception (and the frames it holds) is gone
     except (av.FFmpegError, ValueError) as error:
@@ -1131,14 +1133,13 @@ def error_response(error: RequestError, **fields: Any) -> JSONResponse:
 
 
 class ClefService:
-    """What the endpoints share: the model once loaded (or why loading failed) and the lock of its device."""
+    """What the endpoints share: the model once loaded (or why loading failed) and the thread that uses the device."""
 
     def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):
         self.args = args
         self.load = load
         self.loaded: LoadedClef | None = None
         self.load_error: str | None = None
-        self.lock = threading.Lock()
         # Loading and every decision run on one long-lived thread: the device does one decision at a time anyway, and
         # a fresh thread pays CUDA's per-thread set-up (library handles) again on its first decision. A daemon thread,
         # so that stopping the server during a long load does not wait for the load to finish.
@@ -1249,7 +1250,7 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         loaded = service.ready()
         payload = await read_json_body(request)
         # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
-        scoring = service.on_scorer(decide, loaded, payload, args.max_length, service.lock)
+        scoring = service.on_scorer(decide, loaded, payload, args.max_length)
         response = await asyncio.wrap_future(scoring)
         return JSONResponse(response)
 
@@ -1321,7 +1322,7 @@ def answer_once(args: argparse.Namespace) -> int:
     try:
         validate_request(request)  # a malformed request is refused before the model is loaded for nothing
         loaded = load_clef(args, progress=console)  # prints the synthetic notice, if any
-        response = decide(loaded, request, args.max_length, threading.Lock())
+        response = decide(loaded, request, args.max_length)
     except CheckpointError as error:
         console(f"serve_clef: {error}")
         return 2

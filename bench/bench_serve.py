@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,9 +34,14 @@ MODES = {
     "packed NVFP4 + --simulate-fp4-activations": ["--simulate-fp4-activations"],
 }
 QUESTIONS = {
-    "intent": {"type": "choice", "instructions": "What does the customer want?",
-               "criteria": {"refund": "money back", "exchange": "another item", "cancel": "stop the order", "info": None}},
-    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["none", "low", "mid", "high", "now"]},
+    "intent": {
+        "type": "choice",
+        "instructions": "What does the customer want?",
+        "criteria": {"refund": "money back", "exchange": "another item", "cancel": "stop the order", "info": None},
+    },
+    "urgency": {
+        "type": "score", "instructions": "How urgent is it?", "criteria": ["none", "low", "mid", "high", "now"]
+    },
     "escalate": {"type": "noul", "instructions": "Should a human take over?"},
 }
 WORDS = ("order parcel refund late broken customer support delivery invoice account password screen battery courier "
@@ -95,11 +99,10 @@ def bench_mode(flags: list[str]) -> dict:
     torch.cuda.reset_peak_memory_stats()
     loaded = serve_clef.load_clef(args, progress=lambda line: print("   ", line, flush=True))
     weights_gib = torch.cuda.memory_allocated() / 2**30
-    lock = threading.Lock()
     tokenizer = loaded.processor.tokenizer
 
     def decide(request):
-        return serve_clef.decide(loaded, request, args.max_length, lock)
+        return serve_clef.decide(loaded, request, args.max_length)
 
     result = {"load_s": round(loaded.load_s, 1), "weights_gib": round(weights_gib, 2)}
     requests = {"512": text_request(tokenizer, 512, 0), "2048": text_request(tokenizer, 2048, 1)}
@@ -129,9 +132,6 @@ def bench_mode(flags: list[str]) -> dict:
     packed_layers = [m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedNVFP4Experts)]
     if packed_layers:
         result.update(unpack_times(packed_layers[0]))
-    del loaded, packed_layers
-    gc.collect()
-    torch.cuda.empty_cache()
     return result
 
 
@@ -157,6 +157,8 @@ def main() -> None:
     for name, flags in MODES.items():
         print(f"== {name}", flush=True)
         results[name] = bench_mode(flags)
+        gc.collect()  # the mode's model went out of scope with bench_mode: give its GPU memory back
+        torch.cuda.empty_cache()
         print(json.dumps(results[name], indent=1), flush=True)
     rows = sorted({key for result in results.values() for key in result})
     print("\n| metric | " + " | ".join(MODES) + " |")
