@@ -9,6 +9,9 @@ import pytest
 # No test may reach the hub: everything it loads is written by the fixtures below.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# The packed-expert Triton kernels run on CPU tensors under Triton's interpreter; it is chosen when a kernel is
+# decorated, so before serve_clef is imported.
+os.environ["TRITON_INTERPRET"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

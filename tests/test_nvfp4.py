@@ -146,8 +146,11 @@ def tiny_text_config():
     return Qwen3OmniMoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
 
-def random_packed_experts(text_config, has_input_scales: bool) -> serve_clef.PackedNVFP4Experts:
-    generator = torch.Generator().manual_seed(4)
+def random_packed_experts(
+    text_config, has_input_scales: bool, power_of_two_global_scales: bool = False, seed: int = 4
+) -> serve_clef.PackedNVFP4Experts:
+    """Random packed experts; with power-of-two global scales every weight is exact in BF16 on the unpack path too."""
+    generator = torch.Generator().manual_seed(seed)
     experts = serve_clef.PackedNVFP4Experts(text_config, F.silu, has_input_scales=has_input_scales)
     for name in ("gate_up", "down"):
         codes = getattr(experts, f"{name}_packed_codes")
@@ -155,7 +158,11 @@ def random_packed_experts(text_config, has_input_scales: bool) -> serve_clef.Pac
         # block scales of a weight of std ~0.02: codes up to 6 -> scale ~0.01 / global scale
         scales = getattr(experts, f"{name}_block_scales")
         scales.copy_((torch.rand(scales.shape, generator=generator) * 100 + 20).to(torch.float8_e4m3fn))
-        getattr(experts, f"{name}_global_scale").copy_(torch.rand(8, generator=generator) * 1e-4 + 5e-5)
+        global_scale = getattr(experts, f"{name}_global_scale")
+        if power_of_two_global_scales:
+            global_scale.copy_(2.0 ** torch.randint(-15, -12, (8,), generator=generator).float())
+        else:
+            global_scale.copy_(torch.rand(8, generator=generator) * 1e-4 + 5e-5)
     experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
     experts.down_input_scale.fill_(0.05 / (6 * 448))
     return experts

@@ -1,0 +1,149 @@
+"""The packed-expert Triton kernels, run on CPU by Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
+
+References, none of them the kernels: the step-by-step NVFP4 formulas of test_nvfp4.py, the unpack + grouped_mm path
+(itself checked against transformers' eager experts there), transformers' eager experts module, and a plain Python
+routing. Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per token, S pairs, P slots.
+"""
+
+import pytest
+import torch
+from test_nvfp4 import random_packed_experts, reference_dequantize, reference_fake_quant, tiny_text_config
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextExperts
+
+import serve_clef
+
+
+def test_kernel_rounding_equals_the_formula_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=generator) * torch.tensor([1e-9, 3e-4, 0.01, 1.0, 30.0, 1e6])[:, None]
+    x[2, :16] = 0  # an all-zero block
+    # values on every E2M1 midpoint once the block scale is exactly 2**-2 (input scale 2**-4, amax 1.5)
+    midpoints = torch.tensor([1.5, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 2) * 0.25
+    x[3, :16] = midpoints * torch.tensor([1.0, -1.0]).repeat_interleave(8)
+    x = x.to(torch.bfloat16)
+    for input_scale in (2.0**-4, 0.02):
+        rounded = serve_clef.round_activations_to_nvfp4(x, torch.tensor(input_scale))
+        expected = reference_fake_quant(x, input_scale).to(torch.bfloat16)
+        assert torch.equal(rounded.view(torch.int16), expected.view(torch.int16))
+
+
+def test_routing_pads_each_expert_to_whole_tiles():
+    top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
+    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
+    assert slot_pairs.dtype == tile_experts.dtype == torch.int32
+    tiles = slot_pairs.view(-1, 2).tolist()
+    expected_tiles = {0: [[3, 6]], 1: [[2, 7]], 3: [[0, 1], [4, 9]], 7: [[5, 8]]}  # pairs (token * 2 + k) in order
+    got = {}
+    for tile, expert in zip(tiles, tile_experts.tolist()):
+        if expert < 8:
+            got.setdefault(expert, []).append(tile)
+        else:
+            assert tile == [-1, -1]  # tiles past the last do nothing
+    assert got == expected_tiles
+    assert sorted(p for p in slot_pairs.tolist() if p >= 0) == list(range(10))  # every pair exactly once
+
+
+def tiny_packed_experts(power_of_two_global_scales: bool, seed: int = 0) -> serve_clef.PackedNVFP4Experts:
+    return random_packed_experts(tiny_text_config(), True, power_of_two_global_scales, seed)
+
+
+def routed(num_tokens: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(num_tokens, 64, generator=generator).to(torch.bfloat16)  # [T, H]
+    top_k_index = torch.randint(0, 5, (num_tokens, 2), generator=generator)  # [T, K]: experts 5-7 get no tokens
+    top_k_index[0] = 4  # the same expert twice for one token
+    top_k_weights = torch.rand(num_tokens, 2, generator=generator).softmax(-1).to(torch.bfloat16)  # [T, K]
+    return hidden_states, top_k_index, top_k_weights
+
+
+@pytest.mark.parametrize("simulate_fp4_activations", [False, True], ids=["W4A16", "W4A4"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 19])
+@torch.no_grad()
+def test_kernels_equal_the_unpack_path_bit_for_bit_when_weights_are_exact(num_tokens, simulate_fp4_activations):
+    """With power-of-two global scales both paths multiply the same BF16 weights and round at the same places, so
+    on CPU (fp32 sums in either order of a few terms) the outputs match to the bit, the W4A4 rounding included."""
+    experts = tiny_packed_experts(power_of_two_global_scales=True)
+    experts.simulate_fp4_activations = simulate_fp4_activations
+    inputs = routed(num_tokens, seed=num_tokens)
+    reference = experts.forward_unpacked(*inputs)
+    assert reference.abs().mean() > 1e-4  # not a comparison of zeros
+    assert torch.equal(experts.forward_packed(*inputs), reference)
+
+
+@torch.no_grad()
+def test_kernels_match_transformers_eager_experts_on_any_global_scale():
+    experts = tiny_packed_experts(power_of_two_global_scales=False, seed=1)
+    config = tiny_text_config()
+    config._experts_implementation = "eager"
+    stock = Qwen3OmniMoeThinkerTextExperts(config).to(torch.bfloat16)
+    stock.gate_up_proj.copy_(reference_dequantize(experts.gate_up_packed_codes, experts.gate_up_block_scales,
+                                                  experts.gate_up_global_scale))
+    stock.down_proj.copy_(reference_dequantize(experts.down_packed_codes, experts.down_block_scales,
+                                               experts.down_global_scale))
+    inputs = routed(23, seed=7)
+    expected = stock(*inputs).float()
+    got = experts.forward_packed(*inputs).float()
+    scale = expected.abs().mean().item()
+    assert scale > 1e-4  # not a comparison of zeros
+    # BF16 noise: the stock module rounds each weight to BF16 and sums the top-k in BF16; the kernels do neither
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+    assert (got - expected).abs().mean() < 0.01 * scale
+
+
+def test_the_module_dispatches_by_its_kernels_choice(monkeypatch):
+    experts = tiny_packed_experts(power_of_two_global_scales=True)
+    calls = []
+    monkeypatch.setattr(serve_clef, "nvfp4_gate_up_kernel", None)  # the unpack path must not touch the kernels
+    experts.forward(*routed(3, seed=1))
+    monkeypatch.undo()
+    monkeypatch.setattr(experts, "forward_unpacked", lambda *inputs: calls.append("unpack"))
+    experts.kernels = "triton"
+    experts.forward(*routed(3, seed=1))
+    assert calls == []  # on CPU the triton choice always runs the kernels
+
+
+def test_expert_kernels_choice_is_checked_at_load(monkeypatch):
+    def kernels(choice, device="cpu"):
+        return serve_clef.resolve_expert_kernels(choice, torch.device(device))
+
+    assert kernels("auto") == "unpack"
+    assert kernels("unpack") == "unpack"
+    assert kernels("triton") == "triton"  # TRITON_INTERPRET=1 in the tests
+    with pytest.raises(serve_clef.CheckpointError, match="not built yet"):
+        kernels("native")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(serve_clef.CheckpointError, match="TRITON_INTERPRET=1"):
+        kernels("triton")
+
+
+def load_tiny(flags):
+    args = serve_clef.parse_args(["--model", "synthetic", "--device", "cpu", *flags])
+    return serve_clef.load_clef(args, progress=lambda line: None)
+
+
+@torch.no_grad()
+def test_tiny_model_answers_the_same_with_the_kernels():
+    request = {
+        "model": "clef-omni",
+        "state": {"ticket": "The parcel came late and the box was crushed.", "orders": 3},
+        "questions": {
+            "team": {"type": "choice", "criteria": {"billing": None, "shipping": None, "support": None}},
+            "late": {"type": "noul"},
+            "anger": {"type": "score", "criteria": ["calm", "annoyed", "angry"]},
+        },
+    }
+    answers = {}
+    for choice in ("unpack", "triton"):
+        for flags in ([], ["--simulate-fp4-activations"]):
+            loaded = load_tiny(["--expert-kernels", choice, *flags])
+            assert loaded.expert_kernels == choice
+            answers[choice, bool(flags)] = serve_clef.decide(loaded, request, 4096)["answers"]
+    # The unpack path rounds every weight times its global scale to BF16, the kernels keep e2m1 * block scale exact
+    # and scale the sum: BF16-level differences, which a random two-layer model carries through to the answers as
+    # up to ~0.006 (bit equality, where both paths see the same weights, is checked layer by layer above).
+    for w4a4 in (False, True):
+        unpack, triton_answers = answers["unpack", w4a4], answers["triton", w4a4]
+        for question in ("team", "anger"):
+            for option, probability in unpack[question]["probabilities"].items():
+                assert abs(triton_answers[question]["probabilities"][option] - probability) < 0.01
+        assert abs(triton_answers["late"]["noul"] - unpack["late"]["noul"]) < 0.01
