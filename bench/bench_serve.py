@@ -1,12 +1,16 @@
 """Latency and memory of serve_clef's decision path on `synthetic:full` (the real Clef-Omni dimensions, random
-weights), for the three expert paths side by side in one run:
+weights), for four expert paths side by side in one run:
 
 - `--no-packed-nvfp4`: experts unpacked to BF16 once at load, stock transformers grouped_mm (the baseline);
-- packed: experts kept NVFP4-packed, each layer unpacked just in time before its grouped GEMM;
-- packed + `--simulate-fp4-activations`: the same with every expert input rounded to NVFP4 (faithful W4A4).
+- packed, `--expert-kernels unpack`: experts kept NVFP4-packed, each layer unpacked to BF16 just in time before its
+  grouped GEMM (the reference);
+- packed, Triton kernels (the default on CUDA): kernels that read the packed weights directly;
+- the Triton kernels with `--simulate-fp4-activations`: every expert input rounded to NVFP4 (faithful W4A4).
 
 Each decision goes through `serve_clef.decide`, the server's own path (validation, media decoding, encode_record,
-the model, answers). Run on the GPU machine:
+the model, answers). Text latency is timed on what users send, distinct requests of lengths not seen before, each
+timed once (`first_sight`), then one of them again (`repeat`). One more new request is recorded by torch.profiler:
+the GPU's busy time, the kernels launched and the largest of them. Run on the GPU machine:
 
     python3 bench/bench_serve.py            # writes $OUT/bench_serve.json when OUT is set
 """
@@ -30,9 +34,17 @@ import synthetic_release  # noqa: E402
 
 MODES = {
     "BF16 experts (--no-packed-nvfp4)": ["--no-packed-nvfp4"],
-    "packed NVFP4": [],
-    "packed NVFP4 + --simulate-fp4-activations": ["--simulate-fp4-activations"],
+    "packed, unpack + grouped_mm (--expert-kernels unpack)": ["--expert-kernels", "unpack"],
+    "packed, Triton kernels (default)": [],
+    "packed, Triton kernels + --simulate-fp4-activations": ["--simulate-fp4-activations"],
 }
+# Text latency per length class: one request per target length, each with its own seed, so every one is new content
+# of a new length (as users send them) and is timed once; then the first of them is timed `repeats` more times.
+TEXT_GROUPS = {
+    "512": {"targets": (512, 517, 523, 530, 541, 549, 556, 563), "first_seed": 0, "repeats": 5},
+    "2048": {"targets": (2048, 2061, 2077, 2090), "first_seed": 8, "repeats": 3},
+}
+PROFILED_KERNELS_REPORTED = 6
 QUESTIONS = {
     "intent": {
         "type": "choice",
@@ -83,6 +95,40 @@ def media_requests() -> dict[str, dict]:
     }
 
 
+def timed_decision(decide, request) -> tuple[float, dict]:
+    """One decision's wall time in milliseconds, its GPU work included, and its response."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    response = decide(request)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000, response
+
+
+def profile_decision(decide, request) -> dict:
+    """The GPU's busy time, the kernels launched and the largest kernels of one decision, from torch.profiler."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as profile:
+        decide(request)
+        torch.cuda.synchronize()
+    # The device's own events (kernels, memcpy, memset); a user annotation's GPU copy spans kernels counted already.
+    kernels = [
+        event for event in profile.key_averages()
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+    ]
+
+    def device_ms(event) -> float:
+        device_us = getattr(event, "self_device_time_total", None)  # torch before 2.4: self_cuda_time_total
+        return (event.self_cuda_time_total if device_us is None else device_us) / 1000
+
+    largest = sorted(kernels, key=device_ms, reverse=True)[:PROFILED_KERNELS_REPORTED]
+    return {
+        "profile_gpu_busy_ms": round(sum(device_ms(event) for event in kernels), 1),
+        "profile_kernel_launches": sum(event.count for event in kernels),
+        "profile_top_kernels": [[event.key[:60], round(device_ms(event), 2), event.count] for event in largest],
+    }
+
+
 def milliseconds(run, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -99,19 +145,30 @@ def bench_mode(flags: list[str]) -> dict:
     torch.cuda.reset_peak_memory_stats()
     loaded = serve_clef.load_clef(args, progress=lambda line: print("   ", line, flush=True))
     weights_gib = torch.cuda.memory_allocated() / 2**30
+    load_peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving alone
     tokenizer = loaded.processor.tokenizer
 
     def decide(request):
         return serve_clef.decide(loaded, request, args.max_length)
 
     result = {"load_s": round(loaded.load_s, 1), "weights_gib": round(weights_gib, 2)}
-    requests = {"512": text_request(tokenizer, 512, 0), "2048": text_request(tokenizer, 2048, 1)}
-    result["first_decision_ms"] = round(milliseconds(lambda: decide(requests["512"]), 1)[0], 1)  # compile, warm-up
-    for name, request in requests.items():
-        decide(request)
-        times = milliseconds(lambda: decide(request), 5)
-        result[f"text_{name}_ms"] = round(statistics.median(times), 1)
-        result[f"text_{name}_tokens"] = decide(request)["usage"]["input_tokens"]
+    # The first decision after load, before any other: what is left of one-time costs after load's warm-up.
+    first_ms, _ = timed_decision(decide, text_request(tokenizer, 505, 999))
+    result["first_decision_ms"] = round(first_ms, 1)
+    for name, group in TEXT_GROUPS.items():
+        seeded_targets = enumerate(group["targets"], start=group["first_seed"])  # (seed, target length)
+        requests = [text_request(tokenizer, target, seed) for seed, target in seeded_targets]
+        first_sight = [timed_decision(decide, request) for request in requests]
+        result[f"text_{name}_first_sight_ms"] = round(statistics.median(ms for ms, _ in first_sight), 1)
+        result[f"text_{name}_tokens"] = first_sight[0][1]["usage"]["input_tokens"]
+        repeat_times = milliseconds(lambda: decide(requests[0]), group["repeats"])
+        result[f"text_{name}_repeat_ms"] = round(statistics.median(repeat_times), 1)
+
+    result.update(profile_decision(decide, text_request(tokenizer, 516, 4242)))
+    # The profiler slows the decision it records: the wall time is of another new request, unprofiled.
+    profile_wall_ms, _ = timed_decision(decide, text_request(tokenizer, 516, 4243))
+    result["profile_wall_ms"] = round(profile_wall_ms, 1)
 
     burst = [text_request(tokenizer, 512, 100 + i) for i in range(16)]
     # 16 requests arriving at once, queued on one long-lived scoring thread as the HTTP server queues them.
@@ -128,7 +185,8 @@ def bench_mode(flags: list[str]) -> dict:
         result[f"{name}_ms"] = round(statistics.median(times), 1)
         result[f"{name}_tokens"] = decide(request)["usage"]["input_tokens"]
 
-    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    result["load_peak_gib"] = round(load_peak_gib, 2)
+    result["serving_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     packed_layers = [m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedNVFP4Experts)]
     if packed_layers:
         result.update(unpack_times(packed_layers[0]))
@@ -160,11 +218,15 @@ def main() -> None:
         gc.collect()  # the mode's model went out of scope with bench_mode: give its GPU memory back
         torch.cuda.empty_cache()
         print(json.dumps(results[name], indent=1), flush=True)
-    rows = sorted({key for result in results.values() for key in result})
+    # Lists (profile_top_kernels) do not fit a table cell: they are printed below it, one line per mode.
+    rows = sorted({key for result in results.values() for key, value in result.items() if not isinstance(value, list)})
     print("\n| metric | " + " | ".join(MODES) + " |")
     print("|---|" + "---|" * len(MODES))
     for row in rows:
         print(f"| {row} | " + " | ".join(str(results[name].get(row, "")) for name in MODES) + " |")
+    print("\nprofile_top_kernels ([kernel, total ms, count]) per mode:")
+    for name in MODES:
+        print(f"- {name}: {json.dumps(results[name]['profile_top_kernels'])}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_serve.json").write_text(json.dumps({
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

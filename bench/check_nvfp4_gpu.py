@@ -7,7 +7,8 @@
    when nvidia-modelopt is installed (carry its wheel); skipped otherwise; eager and compiled (used on CUDA) replay
    are both counted against it, and against each other at two token counts. ModelOpt's Triton kernel divides with
    Triton's `/`, eager torch with IEEE division: values right at an E2M1 rounding boundary can land one step apart.
-3. Time of one packed layer forward (`PackedNVFP4Experts`) at 512 tokens, top-8.
+3. Time of one packed layer forward on the unpack path (`PackedNVFP4Experts.forward_unpacked`) at 512 tokens, top-8;
+   the Triton kernels are checked and timed by bench/check_expert_kernels.py.
 
 Usage: python bench/check_nvfp4_gpu.py   (exit status 1 when a comparison fails)
 """
@@ -116,8 +117,10 @@ def main() -> int:
     top_k_weights, top_k_index = torch.rand(512, 128, generator=generator, device=device).softmax(-1).topk(8, dim=-1)
     for simulate in (False, True):
         experts.simulate_fp4_activations = simulate
-        forward_ms = cuda_ms(lambda: experts(activations, top_k_index, top_k_weights.to(torch.bfloat16)))
-        print(f"packed layer forward, 512 tokens, top-8, simulate_fp4_activations={simulate}: {forward_ms:.2f} ms")
+        routing = (activations, top_k_index, top_k_weights.to(torch.bfloat16))
+        forward_ms = cuda_ms(lambda: experts.forward_unpacked(*routing))
+        print(f"packed layer forward (unpack path), 512 tokens, top-8, simulate_fp4_activations={simulate}: "
+              f"{forward_ms:.2f} ms")
     print("FAILED" if failures else "OK")
     return 1 if failures else 0
 

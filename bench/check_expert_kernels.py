@@ -1,0 +1,194 @@
+"""GPU check and timing of serve_clef's packed-expert Triton kernels on full-size Clef-Omni layers (H200).
+
+Checks (each counts toward the exit status; nothing is printed as OK that was not compared):
+1. The activations the W4A4 kernels round (`round_activations_to_nvfp4`, whose helper also rounds the down input in
+   the gate_up kernel's epilogue) equal the compiled replay the unpack path uses
+   (`fake_quant_nvfp4_activations_compiled`) bit for bit.
+2. On random full-size layers (128 experts, hidden 2048, width 768, top-8), the kernels' output equals the unpack +
+   grouped_mm reference to within BF16 error, W4A16 and W4A4, at several token counts: the max and mean absolute
+   error relative to the reference's mean absolute output are printed and gated.
+3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
+   order: that gate is tighter.
+
+Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
+serving engine runs it, for each candidate tile configuration, the unpack path, and the W4A4 replay; the tiles as
+served also without a graph (eager launches); the bf16 matmul rate and copy bandwidth of this GPU in the same run,
+for the ceilings.
+
+Usage: python3 bench/check_expert_kernels.py   (writes $OUT/expert_kernels.json when OUT is set)
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import serve_clef  # noqa: E402
+
+TOKEN_COUNTS = (1, 64, 256, 512, 1024, 2048, 4096, 8192)
+CANDIDATE_TILES = [
+    serve_clef.ExpertTiles(rows, columns, reduced, columns, reduced, warps, stages)
+    for rows in (16, 32, 64, 128)
+    for columns, reduced in ((64, 128), (128, 64), (64, 256), (128, 128))
+    for warps, stages in ((4, 3), (8, 3))
+    if not (rows == 128 and warps == 4)
+]
+
+
+def random_layer(power_of_two_global_scales: bool, seed: int) -> serve_clef.PackedNVFP4Experts:
+    device = torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(seed)
+    config = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    with torch.device(device):
+        layer = serve_clef.PackedNVFP4Experts(config, F.silu, has_input_scales=True)
+    for name in ("gate_up", "down"):
+        codes = getattr(layer, f"{name}_packed_codes")
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16))
+        scales = getattr(layer, f"{name}_block_scales")
+        scales.copy_((torch.rand(scales.shape, generator=generator, device=device) * 100 + 20).to(torch.float8_e4m3fn))
+        global_scale = getattr(layer, f"{name}_global_scale")
+        if power_of_two_global_scales:
+            global_scale.copy_(2.0 ** torch.randint(-15, -12, (128,), generator=generator, device=device).float())
+        else:
+            global_scale.copy_(torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5)
+    layer.gate_up_input_scale.fill_(3.0 / (6 * 448))
+    layer.down_input_scale.fill_(0.05 / (6 * 448))
+    return layer
+
+
+def routed_inputs(num_tokens: int, seed: int):
+    generator = torch.Generator("cuda").manual_seed(seed)
+    hidden_states = (torch.randn(num_tokens, 2048, generator=generator, device="cuda") * 0.7).to(torch.bfloat16)
+    router_logits = torch.randn(num_tokens, 128, generator=generator, device="cuda")
+    top_k_weights, top_k_index = router_logits.softmax(-1).topk(8, dim=-1)
+    return hidden_states, top_k_index, top_k_weights.to(torch.bfloat16)
+
+
+def median_ms(function) -> float:
+    return triton.testing.do_bench(function, warmup=25, rep=100, return_mode="median")
+
+
+def graph_ms(function) -> float:
+    """Median time of `function` captured in a CUDA graph and replayed, as the engine runs it: no launch gaps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        function()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    return median_ms(graph.replay)
+
+
+def main() -> int:
+    failures = 0
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    print(f"{report['gpu']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+
+    # 1. rounding, bit for bit
+    generator = torch.Generator("cuda").manual_seed(1)
+    for rows, spread in ((512, 3.0), (77, 0.02)):
+        activations = (torch.randn(rows, 2048, generator=generator, device="cuda") * spread).to(torch.bfloat16)
+        input_scale = torch.tensor(11.0 / (6 * 448), device="cuda")
+        ours = serve_clef.round_activations_to_nvfp4(activations, input_scale)
+        reference = serve_clef.fake_quant_nvfp4_activations_compiled(activations, input_scale)
+        differ = int((ours.view(torch.int16) != reference.view(torch.int16)).sum())
+        failures += differ != 0
+        print(f"W4A4 rounding in the kernels vs the compiled replay, [{rows}, 2048]: {differ} of "
+              f"{activations.numel()} values differ (gate: 0)")
+
+    # 2, 3. layer outputs against the unpack reference
+    report["accuracy"] = []
+    for power_of_two in (False, True):
+        layer = random_layer(power_of_two, seed=2)
+        for simulate in (False, True):
+            layer.simulate_fp4_activations = simulate
+            for num_tokens in (1, 7, 512, 2048):
+                inputs = routed_inputs(num_tokens, seed=num_tokens)
+                reference = layer.forward_unpacked(*inputs).float()
+                output = serve_clef.PackedNVFP4Experts.forward_packed(layer, *inputs)
+                repeat = serve_clef.PackedNVFP4Experts.forward_packed(layer, *inputs)
+                scale = reference.abs().mean()
+                max_error = ((output.float() - reference).abs().max() / scale).item()
+                mean_error = ((output.float() - reference).abs().mean() / scale).item()
+                # BF16 outputs carry 2**-9 relative rounding; W4A4 adds E2M1 steps where rounding flips
+                max_gate, mean_gate = (0.25, 0.01) if not simulate or power_of_two else (1.0, 0.05)
+                ok = max_error <= max_gate and mean_error <= mean_gate and torch.equal(output, repeat)
+                failures += not ok
+                row = {"power_of_two_global_scales": power_of_two, "w4a4": simulate, "tokens": num_tokens,
+                       "max_error": max_error, "mean_error": mean_error, "deterministic": torch.equal(output, repeat)}
+                report["accuracy"].append(row)
+                print(f"kernels vs unpack: 2^k scales {power_of_two}, W4A4 {simulate}, {num_tokens:5} tokens: "
+                      f"max |err| {max_error:.4f}, mean |err| {mean_error:.5f} of mean |out| (gates {max_gate}, "
+                      f"{mean_gate}); repeat identical {torch.equal(output, repeat)} -> {'ok' if ok else 'FAIL'}",
+                      flush=True)
+        del layer
+
+    # ceilings of this GPU, in the same run
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul_tflops = 2 * 8192**3 / median_ms(lambda: a @ a) / 1e9
+    big = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    copy_gbs = 2 * big.nbytes / median_ms(lambda: big.clone()) / 1e6
+    del a, big
+    report["ceilings"] = {"bf16_matmul_tflops": matmul_tflops, "copy_gb_per_s": copy_gbs}
+    print(f"ceilings: bf16 matmul {matmul_tflops:.0f} TFLOP/s, device copy {copy_gbs:.0f} GB/s", flush=True)
+
+    # timings per token count
+    layer = random_layer(False, seed=3)
+    packed_bytes = sum(buffer.nbytes for buffer in layer.buffers())
+    report["timings"] = []
+    tables = serve_clef.EXPERT_TILES
+    for num_tokens in TOKEN_COUNTS:
+        inputs = routed_inputs(num_tokens, seed=10 + num_tokens)
+        flops = 2 * num_tokens * 8 * (2048 * 1536 + 768 * 2048)
+        row = {"tokens": num_tokens}
+        layer.simulate_fp4_activations = False
+        row["unpack_ms"] = graph_ms(lambda: layer.forward_unpacked(*inputs))
+        layer.simulate_fp4_activations = True
+        row["unpack_w4a4_ms"] = graph_ms(lambda: layer.forward_unpacked(*inputs))
+        layer.simulate_fp4_activations = False
+        best = None
+        for tiles in CANDIDATE_TILES:
+            serve_clef.EXPERT_TILES = ((None, tiles),)
+            try:
+                milliseconds = graph_ms(lambda: layer.forward_packed(*inputs))
+            except Exception as error:  # a configuration that does not fit this GPU (shared memory, registers)
+                print(f"  {tiles}: {type(error).__name__}", flush=True)
+                continue
+            if best is None or milliseconds < best[0]:
+                best = (milliseconds, tiles)
+        serve_clef.EXPERT_TILES = ((None, best[1]),)
+        layer.simulate_fp4_activations = True
+        row["triton_w4a4_ms"] = graph_ms(lambda: layer.forward_packed(*inputs))
+        layer.simulate_fp4_activations = False
+        serve_clef.EXPERT_TILES = tables
+        row["triton_served_tiles_ms"] = graph_ms(lambda: layer.forward_packed(*inputs))
+        row["triton_served_tiles_eager_ms"] = median_ms(lambda: layer.forward_packed(*inputs))
+        row["triton_best_ms"], row["best_tiles"] = best[0], dataclasses.asdict(best[1])
+        row["triton_tflops"] = flops / best[0] / 1e9
+        row["triton_gb_per_s"] = packed_bytes / best[0] / 1e6
+        report["timings"].append(row)
+        print(f"{num_tokens:5} tokens, CUDA graph: unpack {row['unpack_ms']:.3f} ms "
+              f"(W4A4 {row['unpack_w4a4_ms']:.3f}); "
+              f"triton best {best[0]:.3f} ms (W4A4 {row['triton_w4a4_ms']:.3f}; as served "
+              f"{row['triton_served_tiles_ms']:.3f}, eager launches {row['triton_served_tiles_eager_ms']:.3f}) "
+              f"{row['triton_tflops']:.0f} TFLOP/s, {row['triton_gb_per_s']:.0f} GB/s of packed weights; "
+              f"{best[1]}", flush=True)
+
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "expert_kernels.json").write_text(json.dumps(report, indent=2))
+    print("FAILED" if failures else "all comparisons within their gates")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
