@@ -600,10 +600,15 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     if device.type == "cuda":
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
         # now, not in the first request.
+        # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); flash attention
+        # needs none, and the captured graphs run it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        graphed_decoder = graph_text_decoder(thinker)
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(model, processor, WARM_UP_REQUEST)
         if expert_kernels == "triton":
             next(experts for experts in model.modules() if isinstance(experts, PackedNVFP4Experts)).compile_kernels()
+        graphed_decoder.capture_graphs(like=thinker.get_input_embeddings().weight, progress=progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(model, processor, schema, kind, expert_kernels, args.model, checkpoint_dir, load_s, notice)
@@ -1135,6 +1140,119 @@ class PackedNVFP4Experts(torch.nn.Module):
         return grouped_mm_experts_forward(stock_experts_view, hidden_states, top_k_index, top_k_weights)
 
 
+# ==== engine: the text decoder in CUDA graphs =========================================================================
+# A decision is one prefill of a few hundred to a few thousand tokens: launched op by op it is bound by the host
+# (5,559 kernel launches for ~42 ms of GPU work at 516 tokens on an H200). So the thinker's text decoder runs from CUDA
+# graphs captured at load, one per bucket of lengths: a record's embeddings and positions are copied into the
+# bucket's static inputs, padded at the end, the graph is replayed and the real rows of its output are copied out.
+# Causal attention and per-token MoE routing mean padding at the end cannot reach a real token's output. The vision
+# and audio towers and the embedding merge stay eager; records whose decoder input carries deepstack image features,
+# and records longer than the largest bucket, run the decoder eagerly.
+
+# Steps of 64 tokens up to 1,024, then 128 up to 2,048 and 256 up to 4,096: a record pays at most ~12% padding past
+# 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an H200).
+DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256))  # tokens
+
+
+class GraphedTextDecoder(torch.nn.Module):
+    """Stands in for the thinker's text decoder (transformers' Qwen3OmniMoeThinkerTextModel), with its forward
+    signature. Forwards of one record of at most DECODER_BUCKETS[-1] tokens run padded to the next bucket: from the
+    bucket's CUDA graph once `capture_graphs` has run, else eagerly on the padded inputs (how CPU tests check the
+    padding). Everything else is handed to the eager decoder as it came."""
+
+    def __init__(self, decoder: torch.nn.Module, buckets: tuple[int, ...] = DECODER_BUCKETS):
+        super().__init__()
+        self.decoder = decoder
+        self.buckets = buckets
+        self.position_rows = None  # 3 or 4 rows of rotary positions, as the thinker of this transformers builds them
+        self.graphs = {}  # bucket -> (CUDAGraph, inputs_embeds [1, L, H], position_ids [P, 1, L], hidden [1, L, H])
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the thinker reads the decoder's own attributes (embed_tokens, config, ...)
+            decoder = self.__dict__["_modules"].get("decoder")
+            if decoder is None:
+                raise
+            return getattr(decoder, name)
+
+    def forward(self, *args, **kwargs):
+        inputs_embeds, position_ids = kwargs.get("inputs_embeds"), kwargs.get("position_ids")
+        if args or inputs_embeds is None or position_ids is None or position_ids.ndim != 3:
+            return self.decoder(*args, **kwargs)
+        self.position_rows = position_ids.shape[0]
+        batch, length, _ = inputs_embeds.shape  # [B, T, H]
+        attention_mask = kwargs.get("attention_mask")
+        bucket = next((bucket for bucket in self.buckets if bucket >= length), None)
+        if (
+            batch != 1
+            or bucket is None
+            or kwargs.get("deepstack_visual_embeds") is not None
+            or kwargs.get("use_cache")
+            or (attention_mask is not None and not bool(attention_mask.all()))
+        ):
+            return self.decoder(*args, **kwargs)
+        if bucket in self.graphs:
+            graph, static_embeds, static_positions, static_hidden = self.graphs[bucket]
+        else:
+            static_embeds, static_positions = self.static_inputs(bucket, inputs_embeds)
+        static_embeds[:, :length].copy_(inputs_embeds)
+        static_embeds[:, length:].zero_()
+        static_positions[..., :length].copy_(position_ids)
+        static_positions[..., length:].zero_()
+        if bucket in self.graphs:
+            graph.replay()
+        else:
+            static_hidden = self.run_padded(static_embeds, static_positions)
+        return transformers.modeling_outputs.MoeModelOutputWithPast(
+            last_hidden_state=static_hidden[:, :length].clone()  # [1, T, H]; the next replay overwrites the graph's
+        )
+
+    def static_inputs(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs_embeds = torch.zeros(1, bucket, like.shape[-1], dtype=like.dtype, device=like.device)  # [1, L, H]
+        position_ids = torch.zeros(self.position_rows, 1, bucket, dtype=torch.long, device=like.device)  # [P, 1, L]
+        return inputs_embeds, position_ids
+
+    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        # No mask: causal attention is all a single unpadded record needs, and it is what flash attention runs.
+        return self.decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False).last_hidden_state
+
+    @torch.inference_mode()
+    def capture_graphs(self, like: torch.Tensor, progress: Callable[[str], None]) -> None:
+        """Capture one graph per bucket, largest first, all in one memory pool (they never run at the same time).
+        Needs `position_rows`, known after one decision has gone through the decoder (load's warm-up)."""
+        if self.position_rows is None:
+            progress("the thinker passed the text decoder no rotary positions: it stays eager (no CUDA graphs)")
+            return
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.buckets, reverse=True):
+            static_embeds, static_positions = self.static_inputs(bucket, like)
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):  # a first run outside the graph sets up kernels and workspaces
+                self.run_padded(static_embeds, static_positions)
+            torch.cuda.current_stream().wait_stream(side_stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                static_hidden = self.run_padded(static_embeds, static_positions)
+            self.graphs[bucket] = (graph, static_embeds, static_positions, static_hidden)
+        progress(f"text decoder captured in CUDA graphs for {len(self.buckets)} lengths up to {self.buckets[-1]} "
+                 f"tokens in {time.perf_counter() - start:.1f} s")
+
+
+def graph_text_decoder(thinker: torch.nn.Module) -> GraphedTextDecoder:
+    """Put a GraphedTextDecoder in place of the thinker's text decoder (found by class, as transformers versions nest
+    it differently) and return it."""
+    name = next(name for name, module in thinker.named_modules()
+                if type(module).__name__ == "Qwen3OmniMoeThinkerTextModel")
+    parent_name, _, attribute = name.rpartition(".")
+    parent = thinker.get_submodule(parent_name) if parent_name else thinker
+    graphed = GraphedTextDecoder(getattr(parent, attribute))
+    setattr(parent, attribute, graphed)
+    return graphed
+
+
 # ==== decisions =======================================================================================================
 # A request is checked field by field (systemone-api.md §2) before anything is decoded; then its media are decoded and
 # measured; then the release's own `systemone()` scores it. Decisions run one at a time, on one thread (the server's
@@ -1414,39 +1532,77 @@ def decode_media(record: dict, schema: types.ModuleType) -> dict:
     return decoded
 
 
-def decide(loaded: LoadedClef, request: Any, max_length: int) -> dict:
-    """Answer one SystemOne request (systemone-api.md §3), or raise RequestError saying why it is refused.
+def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
+    """The record encoded once by the decision module's own encode_record, or a RequestError: 413 when it cannot fit
+    `max_length` tokens (truncate false: at all; truncate true: not even with its state cut), 422 for other refusals.
+    """
+    schema, processor = loaded.schema, loaded.processor
 
-    Not thread safe: call it from one thread at a time (the HTTP server calls it on its scoring thread only).
+    def encode_within(limit: int):
+        return schema.encode_record(processor.tokenizer, record, limit, processor=processor)
+
+    try:
+        encoded = encode_within(max_length if truncate else sys.maxsize)
+    except (av.FFmpegError, ValueError) as error:
+        refusal = error
+    else:
+        needed = len(encoded.input_ids)
+        if needed <= max_length:
+            return encoded
+        raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} tokens and "
+                           f"truncate is false; maximum is {max_length}", "context_too_long")
+    # encode_record refuses a record whose questions and media leave no room for the state; tell that apart from
+    # other refusals by measuring the record without a limit rather than by reading the message.
+    try:
+        needed = len(encode_within(sys.maxsize).input_ids)
+    except (av.FFmpegError, ValueError):
+        needed = 0
+    if needed > max_length:
+        raise RequestError(413, ("body",), f"maximum context length: the questions and media alone need more than "
+                           f"{max_length} tokens ({refusal})", "context_too_long") from None
+    raise _invalid((), str(refusal)) from None
+
+
+@torch.inference_mode()
+def score(loaded: LoadedClef, encoded) -> list:
+    """The joint head's option logits of one encoded record, per question, from one forward of the model."""
+    device = next(loaded.model.parameters()).device
+    batch = loaded.schema.collate_records([encoded], loaded.processor.tokenizer.pad_token_id, device)
+    return loaded.model(batch)[0]
+
+
+def decide(loaded: LoadedClef, request: Any, max_length: int) -> dict:
+    """Answer one SystemOne request (docs/decision-api.md), or raise RequestError saying why it is refused.
+
+    The server's own walk, which the decision module's `systemone()` does in one call: validate, decode each medium,
+    encode once, one forward, then the module's own answer code. Not thread safe: call it from one thread at a time
+    (the HTTP server calls it on its scoring thread only).
     """
     started = time.perf_counter()
     record, truncate = validate_request(request)
     record = decode_media(record, loaded.schema)
-    schema, processor = loaded.schema, loaded.processor
-    out_of_memory = False
+    encoded = encode(loaded, record, max_length, truncate)
     try:
-        if not truncate:
-            # The reference always cuts the state to fit; a caller who refuses truncation gets 413 instead.
-            encoded = schema.encode_record(processor.tokenizer, record, sys.maxsize, processor=processor)
-            needed = len(encoded.input_ids)
-            if needed > max_length:
-                raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} "
-                                   f"tokens and truncate is false; maximum is {max_length}", "context_too_long")
-        response = schema.systemone(loaded.model, processor, record, max_length)
+        logits = score(loaded, encoded)
     except torch.OutOfMemoryError:
-        out_of_memory = True  # memory is freed below, once the exception (and the frames it holds) is gone
-    except (av.FFmpegError, ValueError) as error:
-        if "maximum is" in str(error):
-            raise RequestError(413, ("body",), f"maximum context length: {error}", "context_too_long") from None
+        logits = None  # memory is freed below, once the exception (and the frames it holds) is gone
+    except ValueError as error:  # what the decision module refuses while batching (e.g. mixed video soundtracks)
         raise _invalid((), str(error)) from None
-    if out_of_memory:
+    if logits is None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         raise RequestError(413, ("body",), "too many tokens: the device ran out of memory scoring this request; send "
                            "a shorter state or fewer or smaller media", "too_many_tokens")
-    response["usage"]["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
-    return response
+    answers = {}
+    for (question_id, question), encoded_question, question_logits in zip(
+        record["questions"].items(), encoded.questions, logits
+    ):
+        probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
+        answers[question_id] = loaded.schema.systemone_answer(question, probabilities)
+    usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0,
+             "latency_ms": round((time.perf_counter() - started) * 1000, 1)}
+    return {"model": record["model"], "answers": answers, "usage": usage}
 
 
 # ==== HTTP ============================================================================================================

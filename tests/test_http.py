@@ -538,7 +538,6 @@ def test_load_failure_is_reported_by_health(args):
     [
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), 413, "too many tokens"),
         (ValueError("videos with and without audio tracks cannot share a batch"), 422, "cannot share a batch"),
-        (ValueError("schema requires 70000 tokens before state; maximum is 64000"), 413, "maximum context length"),
     ],
 )
 def test_failures_while_scoring_get_4xx_and_the_server_keeps_serving(args, loaded, monkeypatch, failure, status,
