@@ -1,16 +1,17 @@
 """Latency and memory of serve_clef's decision path on `synthetic:full` (the real Clef-Omni dimensions, random
-weights), for four expert paths side by side in one run:
+weights), side by side in one run:
 
-- `--no-packed-nvfp4`: experts unpacked to BF16 once at load, stock transformers grouped_mm (the baseline);
-- packed, `--expert-kernels unpack`: experts kept NVFP4-packed, each layer unpacked to BF16 just in time before its
-  grouped GEMM (the reference);
-- packed, Triton kernels (the default on CUDA): kernels that read the packed weights directly;
-- the Triton kernels with `--simulate-fp4-activations`: every expert input rounded to NVFP4 (faithful W4A4).
+- packed experts with the Triton kernels, launched op by op as before the engine (the text decoder put back eager,
+  cuDNN attention back on): the baseline;
+- the same with the engine: the text decoder replayed from CUDA graphs per length bucket (the default);
+- `--no-packed-nvfp4`: experts unpacked to BF16 once at load, stock transformers grouped_mm, with the engine;
+- the Triton kernels with `--simulate-fp4-activations` (faithful W4A4), with the engine.
 
 Each decision goes through `serve_clef.decide`, the server's own path (validation, media decoding, encode_record,
 the model, answers). Text latency is timed on what users send, distinct requests of lengths not seen before, each
 timed once (`first_sight`), then one of them again (`repeat`). One more new request is recorded by torch.profiler:
-the GPU's busy time, the kernels launched and the largest of them. Run on the GPU machine:
+the GPU's busy time, the kernels launched and the largest of them. (bench/check_engine_gpu.py checks the graphs'
+answers.) Run on the GPU machine:
 
     python3 bench/bench_serve.py            # writes $OUT/bench_serve.json when OUT is set
 """
@@ -32,11 +33,11 @@ import joint_schema_model  # noqa: E402
 import serve_clef  # noqa: E402
 import synthetic_release  # noqa: E402
 
-MODES = {
-    "BF16 experts (--no-packed-nvfp4)": ["--no-packed-nvfp4"],
-    "packed, unpack + grouped_mm (--expert-kernels unpack)": ["--expert-kernels", "unpack"],
-    "packed, Triton kernels (default)": [],
-    "packed, Triton kernels + --simulate-fp4-activations": ["--simulate-fp4-activations"],
+MODES = {  # name: (flags, text decoder in CUDA graphs)
+    "packed, Triton kernels, op by op (before the engine)": ([], False),
+    "packed, Triton kernels, CUDA graphs (default)": ([], True),
+    "BF16 experts (--no-packed-nvfp4), CUDA graphs": (["--no-packed-nvfp4"], True),
+    "packed, Triton + --simulate-fp4-activations, CUDA graphs": (["--simulate-fp4-activations"], True),
 }
 # Text latency per length class: one request per target length, each with its own seed, so every one is new content
 # of a new length (as users send them) and is timed once; then the first of them is timed `repeats` more times.
@@ -140,10 +141,28 @@ def milliseconds(run, repeats: int) -> list[float]:
     return times
 
 
-def bench_mode(flags: list[str]) -> dict:
+def swap_text_decoder(loaded, graphed: bool) -> None:
+    """Put the engine's GraphedTextDecoder in place (graphed) or the eager decoder it wraps (not graphed)."""
+    thinker = loaded.model.thinker
+    for name, module in list(thinker.named_modules()):
+        if isinstance(module, serve_clef.GraphedTextDecoder) or type(module).__name__ == "Qwen3OmniMoeThinkerTextModel":
+            parent_name, _, attribute = name.rpartition(".")
+            parent = thinker.get_submodule(parent_name) if parent_name else thinker
+            if isinstance(module, serve_clef.GraphedTextDecoder) and not graphed:
+                loaded.graphed_decoder = module
+                setattr(parent, attribute, module.decoder)
+            elif not isinstance(module, serve_clef.GraphedTextDecoder) and graphed:
+                setattr(parent, attribute, loaded.graphed_decoder)
+            return
+
+
+def bench_mode(flags: list[str], graphs: bool) -> dict:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda", *flags])
     torch.cuda.reset_peak_memory_stats()
     loaded = serve_clef.load_clef(args, progress=lambda line: print("   ", line, flush=True))
+    if not graphs:
+        swap_text_decoder(loaded, graphed=False)
+        torch.backends.cuda.enable_cudnn_sdp(True)  # as before the engine
     weights_gib = torch.cuda.memory_allocated() / 2**30
     load_peak_gib = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving alone
@@ -185,6 +204,7 @@ def bench_mode(flags: list[str]) -> dict:
         result[f"{name}_ms"] = round(statistics.median(times), 1)
         result[f"{name}_tokens"] = decide(request)["usage"]["input_tokens"]
 
+    torch.backends.cuda.enable_cudnn_sdp(False)
     result["load_peak_gib"] = round(load_peak_gib, 2)
     result["serving_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     packed_layers = [m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedNVFP4Experts)]
@@ -212,9 +232,9 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
           f"{serve_clef.transformers.__version__}", flush=True)
     results = {}
-    for name, flags in MODES.items():
+    for name, (flags, graphs) in MODES.items():
         print(f"== {name}", flush=True)
-        results[name] = bench_mode(flags)
+        results[name] = bench_mode(flags, graphs)
         gc.collect()  # the mode's model went out of scope with bench_mode: give its GPU memory back
         torch.cuda.empty_cache()
         print(json.dumps(results[name], indent=1), flush=True)
