@@ -13,6 +13,7 @@
 #   "fastapi",
 #   "uvicorn",
 #   "requests",
+#   "prometheus-client",
 # ]
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
@@ -46,6 +47,7 @@ import threading
 import time
 import traceback
 import types
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,7 @@ import av
 import huggingface_hub
 import numpy as np
 import PIL.Image
+import prometheus_client
 import safetensors
 import safetensors.torch
 import torch
@@ -64,7 +67,7 @@ import triton.language as tl
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -1571,23 +1574,38 @@ def score(loaded: LoadedClef, encoded) -> list:
     return loaded.model(batch)[0]
 
 
-def decide(loaded: LoadedClef, request: Any, max_length: int) -> dict:
+def decide(loaded: LoadedClef, request: Any, max_length: int, timings: dict[str, float] | None = None) -> dict:
     """Answer one SystemOne request (docs/decision-api.md), or raise RequestError saying why it is refused.
 
     The server's own walk, which the decision module's `systemone()` does in one call: validate, decode each medium,
-    encode once, one forward, then the module's own answer code. Not thread safe: call it from one thread at a time
-    (the HTTP server calls it on its scoring thread only).
+    encode once, one forward, then the module's own answer code. `timings`, when given, receives the seconds each
+    stage took (decode, encode, forward, answer). Not thread safe: call it from one thread at a time (the HTTP server
+    calls it on its scoring thread only).
     """
     started = time.perf_counter()
+    stage_started = started
+    timings = {} if timings is None else timings
+
+    def stage_done(stage: str) -> None:
+        nonlocal stage_started
+        now = time.perf_counter()
+        timings[stage] = now - stage_started
+        stage_started = now
+
     record, truncate = validate_request(request)
     record = decode_media(record, loaded.schema)
+    stage_done("decode")
     encoded = encode(loaded, record, max_length, truncate)
+    stage_done("encode")
     try:
         logits = score(loaded, encoded)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the forward's GPU work counts as forward, not as the answers that read it
     except torch.OutOfMemoryError:
         logits = None  # memory is freed below, once the exception (and the frames it holds) is gone
     except ValueError as error:  # what the decision module refuses while batching (e.g. mixed video soundtracks)
         raise _invalid((), str(error)) from None
+    stage_done("forward")
     if logits is None:
         gc.collect()
         if torch.cuda.is_available():
@@ -1600,6 +1618,7 @@ def decide(loaded: LoadedClef, request: Any, max_length: int) -> dict:
     ):
         probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
         answers[question_id] = loaded.schema.systemone_answer(question, probabilities)
+    stage_done("answer")
     usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0,
              "latency_ms": round((time.perf_counter() - started) * 1000, 1)}
     return {"model": record["model"], "answers": answers, "usage": usage}
@@ -1641,14 +1660,41 @@ def error_response(error: RequestError, **fields: Any) -> JSONResponse:
     return JSONResponse(body, error.status, headers)
 
 
+class ServingMetrics:
+    """The Prometheus metrics of one app, served at GET /metrics. Each app has its own registry, so that several
+    apps (tests) can live in one process."""
+
+    def __init__(self):
+        self.registry = prometheus_client.CollectorRegistry()
+        self.requests = prometheus_client.Counter(
+            "serve_clef_requests", "Decision requests answered, by HTTP status.", ["status"], registry=self.registry
+        )
+        self.request_seconds = prometheus_client.Histogram(
+            "serve_clef_request_seconds", "Decision request latency in the server, body read to answer.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry,
+        )
+        self.batch_records = prometheus_client.Histogram(
+            "serve_clef_batch_records", "Records per model forward.", buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        self.tokens = prometheus_client.Counter(
+            "serve_clef_tokens", "Input tokens of the decisions answered.", registry=self.registry
+        )
+        self.queue_depth = prometheus_client.Gauge(
+            "serve_clef_queue_depth", "Jobs waiting for the scoring thread.", registry=self.registry
+        )
+
+
 class ClefService:
-    """What the endpoints share: the model once loaded (or why loading failed) and the thread that uses the device."""
+    """What the endpoints share: the model once loaded (or why loading failed), the thread that uses the device, and
+    the metrics."""
 
     def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):
         self.args = args
         self.load = load
         self.loaded: LoadedClef | None = None
         self.load_error: str | None = None
+        self.metrics = ServingMetrics()
         # Loading and every decision run on one long-lived thread: the device does one decision at a time anyway, and
         # a fresh thread pays CUDA's per-thread set-up (library handles) again on its first decision. A daemon thread,
         # so that stopping the server during a long load does not wait for the load to finish.
@@ -1658,12 +1704,14 @@ class ClefService:
     def on_scorer(self, function: Callable, *args: Any) -> concurrent.futures.Future:
         """Run function(*args) on the scoring thread, after the jobs queued before it."""
         future = concurrent.futures.Future()
+        self.metrics.queue_depth.inc()
         self.scorer_jobs.put((future, function, args))
         return future
 
     def score_forever(self) -> None:
         while True:
             future, function, args = self.scorer_jobs.get()
+            self.metrics.queue_depth.dec()
             if not future.set_running_or_notify_cancel():
                 continue  # its client went away while it waited
             try:
@@ -1753,15 +1801,52 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         return error_response(RequestError(500, ("body",), f"internal error: {type(error).__name__}: {error}",
                                            "internal_error"))
 
+    @app.middleware("http")
+    async def observe_decisions(request: Request, call_next: Callable) -> Response:
+        """Every decision request, answered or refused: a request id, the metrics, one console line."""
+        if request.url.path != "/v1/systemone":
+            return await call_next(request)
+        request.state.request_id = uuid.uuid4().hex[:16]
+        request.state.tokens = 0
+        started = time.perf_counter()
+        status = 500  # unless a response comes back: an unhandled error
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            response.headers["X-Request-Id"] = request.state.request_id
+            return response
+        finally:
+            seconds = time.perf_counter() - started
+            service.metrics.requests.labels(status=str(status)).inc()
+            service.metrics.request_seconds.observe(seconds)
+            console(f"request {request.state.request_id} {status} {request.state.tokens} tokens "
+                    f"{seconds * 1000:.1f} ms")
+
     @app.post("/v1/systemone")
     async def systemone(request: Request) -> JSONResponse:
         service.check_api_key(request)
         loaded = service.ready()
         payload = await read_json_body(request)
+        timings = {}
+        enqueued = time.perf_counter()
+
+        def decide_when_its_turn_comes() -> dict:
+            timings["queue"] = time.perf_counter() - enqueued
+            return decide(loaded, payload, args.max_length, timings)
+
         # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
-        scoring = service.on_scorer(decide, loaded, payload, args.max_length)
-        response = await asyncio.wrap_future(scoring)
-        return JSONResponse(response)
+        response = await asyncio.wrap_future(service.on_scorer(decide_when_its_turn_comes))
+        request.state.tokens = response["usage"]["input_tokens"]
+        service.metrics.tokens.inc(request.state.tokens)
+        service.metrics.batch_records.observe(1)  # one record per forward until the scheduler batches them
+        server_timing = ", ".join(f"{stage};dur={timings[stage] * 1000:.1f}"
+                                  for stage in ("queue", "decode", "encode", "forward", "answer"))
+        return JSONResponse(response, headers={"Server-Timing": server_timing})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(service.metrics.registry),
+                        media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

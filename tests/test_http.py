@@ -623,3 +623,48 @@ def test_bad_checkpoint_exits_2_without_traceback(tmp_path):
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr
     assert "missing-checkpoint" in completed.stderr.strip().splitlines()[-1]
+
+
+# ---- observability ---------------------------------------------------------------------------------------------------
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """The value of one sample line `name value` (name with its labels) of a Prometheus text page."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} is not on the metrics page")
+
+
+def test_every_decision_is_timed_counted_and_logged(args, loaded, processor, capfd):
+    bad_request = {**GOOD_REQUEST, "questions": {"x": {"type": "maybe"}}}
+    with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        answered = [requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S) for _ in range(2)]
+        refused = requests.post(f"{base_url}/v1/systemone", json=bad_request, timeout=TIMEOUT_S)
+        metrics = requests.get(f"{base_url}/metrics", timeout=TIMEOUT_S)
+    assert [response.status_code for response in answered] == [200, 200] and refused.status_code == 422
+    for response in answered:
+        stages = dict(part.split(";dur=") for part in response.headers["Server-Timing"].split(", "))
+        assert list(stages) == ["queue", "decode", "encode", "forward", "answer"]
+        assert all(float(ms) >= 0 for ms in stages.values())
+        # the stages are parts of the decision, whose own latency the body reports
+        assert sum(float(stages[stage]) for stage in ("decode", "encode", "forward", "answer")) <= (
+            response.json()["usage"]["latency_ms"] + 0.5
+        )
+    request_ids = {response.headers["X-Request-Id"] for response in (*answered, refused)}
+    assert len(request_ids) == 3
+    tokens = len(joint_schema_model.encode_record(processor.tokenizer, GOOD_REQUEST, MAX_LENGTH).input_ids)
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    page = metrics.text
+    assert metric_value(page, 'serve_clef_requests_total{status="200"}') == 2
+    assert metric_value(page, 'serve_clef_requests_total{status="422"}') == 1
+    assert metric_value(page, "serve_clef_request_seconds_count") == 3
+    assert metric_value(page, "serve_clef_tokens_total") == 2 * tokens
+    assert metric_value(page, "serve_clef_batch_records_count") == 2
+    assert metric_value(page, "serve_clef_queue_depth") == 0
+    logged = capfd.readouterr().err
+    for response in (*answered, refused):
+        status, request_id = response.status_code, response.headers["X-Request-Id"]
+        expected_tokens = tokens if status == 200 else 0
+        assert f"request {request_id} {status} {expected_tokens} tokens " in logged
