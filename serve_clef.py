@@ -71,12 +71,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-import joint_schema_model
-import synthetic_release
 
 # ==== command line ====================================================================================================
 
 DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
+DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
+SIBLING_FILES = "joint_schema_model.py and synthetic_release.py, beside serve_clef.py in the serve_clef repository"
 SYNTHETIC_MODELS = ("synthetic", "synthetic:full")
 EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
 
@@ -125,8 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-length",
         type=int,
-        default=joint_schema_model.DEFAULT_MAX_LENGTH,
-        help=f"Context limit in tokens per decision. Default: {joint_schema_model.DEFAULT_MAX_LENGTH}.",
+        default=DEFAULT_MAX_LENGTH,
+        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
     )
     parser.add_argument(
         "--api-key",
@@ -238,17 +238,38 @@ def resolve_expert_kernels(choice: str, device: torch.device) -> str:
     return choice
 
 
+def import_sibling(name: str, needed_for: str) -> types.ModuleType:
+    """serve_clef's own joint_schema_model or synthetic_release, which serve_clef.py alone does without."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        raise CheckpointError(f"{needed_for} needs serve_clef's {name}.py, which is not beside serve_clef.py; copy "
+                              f"{SIBLING_FILES}") from None
+
+
 def import_joint_schema_model(checkpoint_dir: Path, progress: Callable[[str], None]) -> types.ModuleType:
+    """The checkpoint's own decision module when it carries one (as releases do), else serve_clef's."""
     path = checkpoint_dir / "joint_schema_model.py"
     if not path.exists():
+        module = import_sibling("joint_schema_model", f"{checkpoint_dir}, which carries no joint_schema_model.py,")
         progress(f"decision code: serve_clef's joint_schema_model.py ({checkpoint_dir} carries none)")
-        return joint_schema_model
+        return module
     spec = importlib.util.spec_from_file_location("_checkpoint_joint_schema_model", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up in sys.modules while the file executes
     spec.loader.exec_module(module)
     progress(f"decision code: the checkpoint's own {path}")
     return module
+
+
+def load_processor(checkpoint_dir: Path, schema: types.ModuleType):
+    """The release's processor, through the decision module's own `load_processor` where it has one (serve_clef's
+    also builds one on machines without torchvision), else transformers' AutoProcessor."""
+    if hasattr(schema, "load_processor"):
+        return schema.load_processor(checkpoint_dir)
+    return transformers.AutoProcessor.from_pretrained(checkpoint_dir)
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -497,6 +518,7 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
     then loaded from disk like any other. `synthetic:full`: the full-size release without weights on disk; its
     tensors are generated on `device` one at a time and quantized on the way into the packed store.
     """
+    synthetic_release = import_sibling("synthetic_release", f"--model {model_id}")
     out_dir = Path(tempfile.mkdtemp(prefix="serve_clef-synthetic-"))
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)  # a synthetic checkpoint lives as long as its process
     if model_id == "synthetic:full":
@@ -599,7 +621,7 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
         ) from error
     head.to(device=device, dtype=torch.bfloat16)
     model = schema.ClefModel(thinker, head).eval()
-    processor = joint_schema_model.load_processor(checkpoint_dir)
+    processor = load_processor(checkpoint_dir, schema)
     if device.type == "cuda":
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
         # now, not in the first request.

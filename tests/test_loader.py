@@ -5,7 +5,10 @@ checkpoints that must fail naming the tensor.
 
 import copy
 import json
+import os
 import shutil
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -337,3 +340,38 @@ def test_joint_head_of_another_size_fails_clearly(nvfp4_export, tmp_path):
     (mismatched / "joint_head_config.json").write_text(json.dumps(head_config | {"width": 2 * head_config["width"]}))
     with pytest.raises(serve_clef.CheckpointError, match="joint_head.safetensors does not fit joint_head_config.json"):
         load(mismatched)
+
+
+def run_alone(tmp_path: Path, *cli_args: str) -> subprocess.CompletedProcess:
+    """serve_clef.py copied alone into an empty folder and run from there, without the repository on the path."""
+    alone = tmp_path / "alone"
+    alone.mkdir(exist_ok=True)
+    shutil.copy(serve_clef.__file__, alone / "serve_clef.py")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run([sys.executable, str(alone / "serve_clef.py"), *cli_args], capture_output=True, text=True,
+                          cwd=alone, env=env, timeout=600)
+
+
+def test_serve_clef_alone_serves_a_directory_that_carries_its_decision_file(nvfp4_export, tmp_path):
+    own = tmp_path / "own"
+    shutil.copytree(nvfp4_export, own)
+    shutil.copy(joint_schema_model.__file__, own / "joint_schema_model.py")
+    request_file = tmp_path / "request.json"
+    request_file.write_text(json.dumps(REQUEST))
+    run = run_alone(tmp_path, "--model", str(own), "--device", "cpu", "--request", str(request_file))
+    assert run.returncode == 0, run.stderr[-3000:]
+    response = json.loads(run.stdout)
+    assert list(response["answers"]) == list(REQUEST["questions"])
+    assert f"decision code: the checkpoint's own {own / 'joint_schema_model.py'}" in run.stderr
+
+
+@pytest.mark.parametrize("model, missing", [("synthetic", "synthetic_release.py"), (None, "joint_schema_model.py")])
+def test_serve_clef_alone_says_which_sibling_file_it_needs(nvfp4_export, tmp_path, model, missing):
+    run = run_alone(tmp_path, "--model", model or str(nvfp4_export), "--device", "cpu", "--demo")
+    assert run.returncode == 2
+    assert f"needs serve_clef's {missing}, which is not beside serve_clef.py" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_default_context_is_the_decision_apis():
+    assert serve_clef.DEFAULT_MAX_LENGTH == joint_schema_model.DEFAULT_MAX_LENGTH
