@@ -547,27 +547,43 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
     return checkpoint_dir, None
 
 
-def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print) -> LoadedClef:
-    """Load the checkpoint named by --model as a Clef model on --device (see parse_args)."""
+def load_clef(
+    model: str = DEFAULT_MODEL,
+    *,
+    device: str | torch.device | None = None,
+    revision: str | None = None,
+    expert_kernels: str = "auto",
+    simulate_fp4_activations: bool = False,
+    packed_nvfp4: bool = True,
+    progress: Callable[[str], None] = print,
+) -> LoadedClef:
+    """Load a Clef-Omni checkpoint for `decide`: the Python API behind the command line's flags.
+
+    model: a hub id, a local model directory, "synthetic" or "synthetic:full" (--model). device: a torch device,
+    default cuda when available, else cpu (--device). revision: the hub revision (--revision). expert_kernels:
+    "auto", "triton", "unpack" or "native" (--expert-kernels). simulate_fp4_activations: faithful W4A4 replay
+    (--simulate-fp4-activations). packed_nvfp4: False unpacks NVFP4 experts to BF16 at load (--no-packed-nvfp4).
+    progress: receives one line per loading step. Raises CheckpointError with a one-line fix.
+    """
     start = time.perf_counter()
-    device = torch.device(args.device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     notice, tensors = None, None
-    if args.model in SYNTHETIC_MODELS:
+    if model in SYNTHETIC_MODELS:
         notice = SYNTHETIC_NOTICE
-        progress(f"{args.model}: {notice}")
-        checkpoint_dir, tensors = synthetic_checkpoint(args.model, device, progress)
+        progress(f"{model}: {notice}")
+        checkpoint_dir, tensors = synthetic_checkpoint(model, device, progress)
     else:
-        checkpoint_dir = resolve_checkpoint_dir(args.model, args.revision)
+        checkpoint_dir = resolve_checkpoint_dir(model, revision)
     kind = checkpoint_kind(checkpoint_dir)
-    if args.simulate_fp4_activations and kind != "modelopt:NVFP4":
+    if simulate_fp4_activations and kind != "modelopt:NVFP4":
         raise CheckpointError(
             f"--simulate-fp4-activations replays W4A4 activations and needs a ModelOpt NVFP4 (W4A4) export with "
             f"input scales; {checkpoint_dir} is {kind}: drop the flag"
         )
-    if args.simulate_fp4_activations and args.no_packed_nvfp4:
+    if simulate_fp4_activations and not packed_nvfp4:
         raise CheckpointError("--simulate-fp4-activations runs inside the packed experts: drop --no-packed-nvfp4")
-    packed = kind != "bf16" and not args.no_packed_nvfp4
-    expert_kernels = resolve_expert_kernels(args.expert_kernels, device) if packed else "bf16"
+    packed = kind != "bf16" and packed_nvfp4
+    expert_kernels = resolve_expert_kernels(expert_kernels, device) if packed else "bf16"
     schema = import_joint_schema_model(checkpoint_dir, progress)
 
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
@@ -601,7 +617,7 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
     del expert_stores  # --no-packed-nvfp4: the packed copies are no longer needed
     for experts in experts_modules(thinker).values():
         if isinstance(experts, PackedNVFP4Experts):
-            experts.simulate_fp4_activations = args.simulate_fp4_activations
+            experts.simulate_fp4_activations = simulate_fp4_activations
             experts.kernels = expert_kernels
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
@@ -620,7 +636,7 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
             "files from the same release"
         ) from error
     head.to(device=device, dtype=torch.bfloat16)
-    model = schema.ClefModel(thinker, head).eval()
+    clef_model = schema.ClefModel(thinker, head).eval()
     processor = load_processor(checkpoint_dir, schema)
     if device.type == "cuda":
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
@@ -630,13 +646,23 @@ def load_clef(args: argparse.Namespace, progress: Callable[[str], None] = print)
         torch.backends.cuda.enable_cudnn_sdp(False)
         graphed_decoder = graph_text_decoder(thinker)
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
-        schema.systemone(model, processor, WARM_UP_REQUEST)
+        schema.systemone(clef_model, processor, WARM_UP_REQUEST)
         if expert_kernels == "triton":
-            next(experts for experts in model.modules() if isinstance(experts, PackedNVFP4Experts)).compile_kernels()
+            packed_layer = next(m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts))
+            packed_layer.compile_kernels()
         graphed_decoder.capture_graphs(like=thinker.get_input_embeddings().weight, progress=progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
-    return LoadedClef(model, processor, schema, kind, expert_kernels, args.model, checkpoint_dir, load_s, notice)
+    return LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, load_s, notice)
+
+
+def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = print) -> LoadedClef:
+    """load_clef with the command line's flags (see parse_args)."""
+    return load_clef(
+        args.model, device=args.device, revision=args.revision, expert_kernels=args.expert_kernels,
+        simulate_fp4_activations=args.simulate_fp4_activations, packed_nvfp4=not args.no_packed_nvfp4,
+        progress=progress,
+    )
 
 
 # ==== packed experts and their kernels ================================================================================
@@ -1596,7 +1622,9 @@ def score(loaded: LoadedClef, encoded) -> list:
     return loaded.model(batch)[0]
 
 
-def decide(loaded: LoadedClef, request: Any, max_length: int, timings: dict[str, float] | None = None) -> dict:
+def decide(
+    loaded: LoadedClef, request: Any, max_length: int = DEFAULT_MAX_LENGTH, timings: dict[str, float] | None = None
+) -> dict:
     """Answer one SystemOne request (docs/decision-api.md), or raise RequestError saying why it is refused.
 
     The server's own walk, which the decision module's `systemone()` does in one call: validate, decode each medium,
@@ -1793,8 +1821,9 @@ async def read_json_body(request: Request) -> Any:
 
 
 def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:
-    """The HTTP app; its startup begins loading the model with `load` (default `load_clef`) on the scoring thread."""
-    service = ClefService(args, load or load_clef)
+    """The HTTP app; its startup begins loading the model with `load(args, progress)` (default `load_from_args`) on
+    the scoring thread."""
+    service = ClefService(args, load or load_from_args)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -1938,7 +1967,7 @@ def answer_once(args: argparse.Namespace) -> int:
             return 2
     try:
         validate_request(request)  # a malformed request is refused before the model is loaded for nothing
-        loaded = load_clef(args, progress=console)  # prints the synthetic notice, if any
+        loaded = load_from_args(args, progress=console)  # prints the synthetic notice, if any
         response = decide(loaded, request, args.max_length)
     except CheckpointError as error:
         console(f"serve_clef: {error}")

@@ -159,7 +159,7 @@ def swap_text_decoder(loaded, graphed: bool) -> None:
 def bench_mode(flags: list[str], graphs: bool) -> dict:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda", *flags])
     torch.cuda.reset_peak_memory_stats()
-    loaded = serve_clef.load_clef(args, progress=lambda line: print("   ", line, flush=True))
+    loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
     if not graphs:
         swap_text_decoder(loaded, graphed=False)
         torch.backends.cuda.enable_cudnn_sdp(True)  # as before the engine

@@ -114,8 +114,8 @@ def calibrate_and_export(release: Path, out: Path, weights_only: bool, calibrati
 def score_served(export: Path, weights_only: bool, evaluation: list[dict], names: list[str]):
     """serve_clef's scores of an export and its unpacked expert weights per experts module (names as in the thinker)."""
     flags = [] if weights_only else ["--simulate-fp4-activations"]
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(export), "--device", DEVICE] + flags),
-                                  progress=lambda message: None)
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(export), "--device", DEVICE] + flags),
+                                      progress=lambda message: None)
     scores = parity.score_records(loaded, evaluation)
     weights = {name: loaded.model.thinker.get_submodule(name).unpacked() for name in names}
     served_as = loaded.kind + (" --simulate-fp4-activations" if flags else "")
@@ -285,8 +285,8 @@ def score_reference(reference, experts_modules: dict, export: Path, weights_only
 
 
 def bf16_noise_floor(release: Path, evaluation: list[dict]) -> dict:
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(release), "--device", DEVICE]),
-                                  progress=lambda message: None)
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(release), "--device", DEVICE]),
+                                      progress=lambda message: None)
     reference_scores = parity.score_records(loaded, evaluation)
     implementations, other_scores = parity.score_with_other_experts_kernel(loaded, evaluation)
     stats = parity.compare(reference_scores, other_scores)

@@ -39,7 +39,7 @@ def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
 
 def main() -> int:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
-    loaded = serve_clef.load_clef(args, progress=lambda line: print("   ", line, flush=True))
+    loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
     tokenizer = loaded.processor.tokenizer
 
     def answers(requests):

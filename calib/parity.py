@@ -213,7 +213,7 @@ def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], 
         return {"source": checkpoint, "kind": "server"}, score_server(checkpoint, records), None
     import serve_clef
 
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags))
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags))
     scores = score_records(loaded, records)
     noise_floor = None
     if with_noise_floor and loaded.kind == "bf16":

@@ -163,8 +163,8 @@ def test_export_packs_every_expert_of_the_release(tiny_release, nvfp4_export):
 
 
 def _answer(checkpoint: Path, *flags: str) -> tuple[str, dict]:
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(checkpoint), "--device", "cpu", *flags]),
-                                  progress=lambda message: None)
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(checkpoint), "--device", "cpu", *flags]),
+                                      progress=lambda message: None)
     record = evaluation_records(1)[0]
     return loaded.kind, loaded.schema.systemone(loaded.model, loaded.processor, record)
 
@@ -321,8 +321,8 @@ def test_parity_report_against_an_independent_recomputation(tiny_release, nvfp4_
 
 
 def test_bf16_against_itself_agrees_fully(tiny_release):
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
-                                  progress=lambda message: None)
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                      progress=lambda message: None)
     records = evaluation_records(1)
     first, second = parity.score_records(loaded, records), parity.score_records(loaded, records)
     stats = parity.compare(first, second)
@@ -338,8 +338,8 @@ def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_pa
     try:
         records = [evaluation_records(20)[k] for k in (0, 19)]  # text only, and an image (PNG on the wire: lossless)
         assert "images" in records[1]
-        loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
-                                      progress=lambda message: None)
+        loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                          progress=lambda message: None)
         in_process = parity.score_records(loaded, records)
         deadline = time.monotonic() + 120
         while True:

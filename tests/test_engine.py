@@ -28,8 +28,7 @@ def probabilities(answers: dict) -> dict:
 
 
 def test_padding_to_a_bucket_keeps_every_answer():
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", "synthetic", "--device", "cpu"]),
-                                  progress=lambda line: None)
+    loaded = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
     unpadded = [serve_clef.decide(loaded, request, 4096) for request in REQUESTS]
     graphed = serve_clef.graph_text_decoder(loaded.model.thinker)
     padded_lengths = []
@@ -53,8 +52,7 @@ def test_padding_to_a_bucket_keeps_every_answer():
 
 def test_decide_answers_as_the_decision_modules_own_systemone(png_bytes, wav_bytes, mp4_with_audio_bytes):
     """The server's walk (encode once, forward, answer) against the reference that does it all in one call."""
-    loaded = serve_clef.load_clef(serve_clef.parse_args(["--model", "synthetic", "--device", "cpu"]),
-                                  progress=lambda line: None)
+    loaded = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
 
     def data_url(content_type: str, data: bytes) -> str:
         return f"data:{content_type};base64,{base64.b64encode(data).decode()}"

@@ -118,7 +118,7 @@ def test_expert_kernels_choice_is_checked_at_load(monkeypatch):
 
 def load_tiny(flags):
     args = serve_clef.parse_args(["--model", "synthetic", "--device", "cpu", *flags])
-    return serve_clef.load_clef(args, progress=lambda line: None)
+    return serve_clef.load_from_args(args, progress=lambda line: None)
 
 
 @torch.no_grad()

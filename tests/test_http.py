@@ -473,7 +473,7 @@ def args():
 
 @pytest.fixture(scope="session")
 def loaded(args):
-    return serve_clef.load_clef(args, progress=lambda line: None)
+    return serve_clef.load_from_args(args, progress=lambda line: None)
 
 
 def test_503_while_loading_then_ready(args, loaded, processor):

@@ -91,7 +91,7 @@ def w4a16_export(tiny_release, tmp_path_factory) -> Path:
 
 
 def load(model: Path | str, *flags: str) -> serve_clef.LoadedClef:
-    return serve_clef.load_clef(
+    return serve_clef.load_from_args(
         serve_clef.parse_args(["--model", str(model), "--device", "cpu", *flags]), progress=lambda line: None
     )
 
