@@ -31,6 +31,7 @@ import base64
 import binascii
 import concurrent.futures
 import contextlib
+import enum
 import gc
 import hmac
 import http
@@ -142,12 +143,34 @@ class CheckpointError(ValueError):
     """A checkpoint or flag combination that cannot be served; the message says what is wrong and how to fix it."""
 
 
+class CheckpointFormat(enum.StrEnum):
+    """The format of a checkpoint's thinker, read from its files (never from a flag); its value is what the console
+    and /healthz show."""
+
+    BF16 = "bf16"  # a BF16 release
+    MODELOPT_NVFP4 = "modelopt:NVFP4"  # ModelOpt W4A4: packed experts and their calibrated input scales
+    MODELOPT_W4A16_NVFP4 = "modelopt:W4A16_NVFP4"  # ModelOpt weight-only: packed experts, no input scales
+
+    @property
+    def quantized(self) -> bool:
+        return self is not CheckpointFormat.BF16
+
+    @property
+    def has_input_scales(self) -> bool:
+        return self is CheckpointFormat.MODELOPT_NVFP4
+
+    @property
+    def tensors_per_expert_matrix(self) -> int:
+        """weight; + weight_scale and weight_scale_2 when packed; + input_scale for W4A4."""
+        return 1 + 2 * self.quantized + self.has_input_scales
+
+
 @dataclass
 class LoadedClef:
     model: torch.nn.Module  # schema.ClefModel, eval, on device
     processor: Any
     schema: types.ModuleType  # the joint_schema_model module in use
-    kind: str  # "bf16", "modelopt:NVFP4", "modelopt:W4A16_NVFP4"
+    kind: CheckpointFormat
     expert_kernels: str  # "triton" or "unpack" for packed experts, "bf16" for stock BF16 experts
     model_id: str  # what --model said
     checkpoint_dir: Path
@@ -159,7 +182,7 @@ SYNTHETIC_NOTICE = "synthetic checkpoint: random weights, every answer is meanin
 # Nothing is calibrated in a synthetic checkpoint, so every expert input gets the input_scale that max calibration
 # gives activations whose absolute max is 6: 6 / (6 * 448).
 SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
-SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo of the CheckpointFormats
 WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
 
 # The two on-disk name layouts of the thinker's tensors (doc §3.4), as (hub layout, transformers-internal) prefixes.
@@ -195,7 +218,7 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
         ) from error
 
 
-def checkpoint_kind(checkpoint_dir: Path) -> str:
+def checkpoint_kind(checkpoint_dir: Path) -> CheckpointFormat:
     for required in ("config.json", "joint_head_config.json", "joint_head.safetensors"):
         if not (checkpoint_dir / required).exists():
             raise CheckpointError(
@@ -210,7 +233,7 @@ def checkpoint_kind(checkpoint_dir: Path) -> str:
                 f"{checkpoint_dir}: config.json has a {quantization.get('quant_method')!r} quantization_config but no "
                 "hf_quant_config.json; serve_clef serves BF16 releases and ModelOpt NVFP4 / W4A16_NVFP4 exports"
             )
-        return "bf16"
+        return CheckpointFormat.BF16
     quantization = json.loads(quant_config_path.read_text())["quantization"]
     if quantization.get("quant_algo") not in SERVED_QUANT_ALGOS or quantization.get("group_size", 16) != 16:
         raise CheckpointError(
@@ -218,7 +241,7 @@ def checkpoint_kind(checkpoint_dir: Path) -> str:
             f"{quantization.get('group_size')} is not served; export the thinker experts with ModelOpt as NVFP4 or "
             "W4A16_NVFP4 (group size 16)"
         )
-    return "modelopt:" + quantization["quant_algo"]
+    return CheckpointFormat("modelopt:" + quantization["quant_algo"])
 
 
 def resolve_expert_kernels(choice: str, device: torch.device) -> str:
@@ -331,7 +354,7 @@ def thinker_tensor_name(checkpoint_name: str, live_names: set[str], experts_name
 def load_thinker_weights(
     thinker: torch.nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    kind: str,
+    kind: CheckpointFormat,
     expert_stores: dict[str, "PackedNVFP4Experts"],
     progress: Callable[[str], None],
 ) -> None:
@@ -349,7 +372,7 @@ def load_thinker_weights(
     live_names, experts_names = set(targets), set(experts)
     filled, bf16_experts_filled = set(), set()
     expert_tensors_per_layer = {name: 0 for name in experts}
-    fields_per_expert = 3 * {"bf16": 1, "modelopt:W4A16_NVFP4": 3, "modelopt:NVFP4": 4}[kind]
+    fields_per_expert = 3 * kind.tensors_per_expert_matrix
     num_experts = thinker.config.text_config.num_experts
     tensor_count, byte_count, layers_done, start = 0, 0, 0, time.perf_counter()
     for checkpoint_name, tensor in tensors:
@@ -376,7 +399,7 @@ def load_thinker_weights(
             projection, field = expert_match["projection"], expert_match["field"]
             if expert >= num_experts:
                 raise CheckpointError(f"checkpoint tensor {checkpoint_name}: the model has only {num_experts} experts")
-            if kind == "bf16":
+            if not kind.quantized:
                 store_bf16_expert(experts[experts_name], expert, projection, field, tensor, checkpoint_name)
                 bf16_experts_filled.add((experts_name, expert, projection))
             else:
@@ -392,7 +415,7 @@ def load_thinker_weights(
         byte_count += tensor.nbytes
 
     missing = sorted(set(targets) - filled)
-    if kind == "bf16":
+    if not kind.quantized:
         missing += [
             f"{experts_name}.{expert}.{projection}.weight"
             for experts_name in experts
@@ -575,14 +598,14 @@ def load_clef(
     else:
         checkpoint_dir = resolve_checkpoint_dir(model, revision)
     kind = checkpoint_kind(checkpoint_dir)
-    if simulate_fp4_activations and kind != "modelopt:NVFP4":
+    if simulate_fp4_activations and not kind.has_input_scales:
         raise CheckpointError(
             f"--simulate-fp4-activations replays W4A4 activations and needs a ModelOpt NVFP4 (W4A4) export with "
             f"input scales; {checkpoint_dir} is {kind}: drop the flag"
         )
     if simulate_fp4_activations and not packed_nvfp4:
         raise CheckpointError("--simulate-fp4-activations runs inside the packed experts: drop --no-packed-nvfp4")
-    packed = kind != "bf16" and packed_nvfp4
+    packed = kind.quantized and packed_nvfp4
     expert_kernels = resolve_expert_kernels(expert_kernels, device) if packed else "bf16"
     schema = import_joint_schema_model(checkpoint_dir, progress)
 
@@ -598,10 +621,10 @@ def load_clef(
                               "use --expert-kernels unpack")
     thinker = build_backbone(config, device, zero_width_experts=packed).thinker
     expert_stores = {}
-    if kind != "bf16":
+    if kind.quantized:
         with torch.device(device):
             expert_stores = {
-                name: PackedNVFP4Experts(text_config, experts.act_fn, has_input_scales=kind == "modelopt:NVFP4")
+                name: PackedNVFP4Experts(text_config, experts.act_fn, has_input_scales=kind.has_input_scales)
                 for name, experts in experts_modules(thinker).items()
             }
     if packed:
@@ -611,7 +634,7 @@ def load_clef(
     if tensors is None:
         tensors = checkpoint_tensors(checkpoint_dir)
     load_thinker_weights(thinker, tensors, kind, expert_stores, progress)
-    if kind != "bf16" and not packed:
+    if kind.quantized and not packed:
         for experts_name, store in expert_stores.items():
             store.unpack_into(thinker.get_submodule(experts_name))
     del expert_stores  # --no-packed-nvfp4: the packed copies are no longer needed
