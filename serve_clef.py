@@ -18,8 +18,9 @@
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
 
-Sections, top to bottom: command line, checkpoint loading, packed experts (format, activation replay, the Triton
-packed-expert kernels, the experts module), decisions, HTTP.
+Sections, top to bottom, in the order data flows: packed experts (the NVFP4 format, the activation replay, the Triton
+packed-expert kernels, the experts module), checkpoint loading, the engine (the text decoder in CUDA graphs),
+decisions (requests), HTTP, command line.
 Dimension letters in shape comments: T tokens, E experts, H hidden, I expert width, K experts per token (top-k),
 S (token, expert) pairs, P padded slots, R/N/C the rows, output columns and reduced columns of a kernel tile.
 """
@@ -73,7 +74,533 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 
-# ==== command line ====================================================================================================
+# ==== packed experts and their kernels ================================================================================
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (doc §2)
+
+
+def round_to_e2m1_codes(magnitude: torch.Tensor) -> torch.Tensor:
+    """Magnitude codes 0..7 (uint8) of non-negative values rounded to the E2M1 grid, to nearest with ties to even.
+
+    One step up per midpoint passed (doc §2.3's table). A tie goes to the even mantissa: it steps up only past the
+    midpoints whose upper neighbour is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4), hence >= there and > elsewhere. Plain
+    comparisons, so torch.compile fuses the rounding into the kernels around it.
+    """
+    codes = (
+        (magnitude > 0.25).to(torch.uint8)
+        + (magnitude >= 0.75)
+        + (magnitude > 1.25)
+        + (magnitude >= 1.75)
+        + (magnitude > 2.5)
+        + (magnitude >= 3.5)
+        + (magnitude > 5.0)
+    )
+    return codes
+
+
+def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Dequantise NVFP4 expert weights to BF16 (doc §2.1): W = e2m1(code) * (block_scale * global_scale).
+
+    packed_codes uint8 [E, O, K/2] (element 2i in the low nibble), block_scales float8_e4m3fn [E, O, K/16],
+    global_scale fp32 [E] -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
+    """
+    num_experts, rows, half_columns = packed_codes.shape
+    codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).view(num_experts, rows, 2 * half_columns)
+    # E2M1: bit 3 sign, bits 1-2 exponent, bit 0 mantissa; exponent 0 is subnormal (0 or 0.5), otherwise
+    # 2**(exponent - 1) * (1 + mantissa / 2): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. In integer halves, so the
+    # compiled kernel stays exact (GPU exp2 is approximate): 0, 1, 2, 3, 4, 6, 8, 12.
+    exponent = ((codes >> 1) & 0b11).to(torch.int32)
+    mantissa = (codes & 1).to(torch.int32)
+    halves = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
+    magnitude = halves.float() * 0.5
+    values = torch.where(codes >= 8, -magnitude, magnitude)  # [E, O, K]
+    per_block = block_scales.float() * global_scale[:, None, None]  # [E, O, K/16]
+    weight = values.view(num_experts, rows, -1, 16) * per_block.unsqueeze(-1)  # [E, O, K/16, 16]
+    return weight.view(num_experts, rows, 2 * half_columns).to(torch.bfloat16)
+
+
+# On CUDA the eager unpack takes ~8 passes over a layer's experts; compiled it is one kernel reading the packed bytes
+# once (bandwidth floor ~0.4 ms per full-size layer on an H200). CPU keeps the eager version.
+unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=False)
+
+
+# ==== activation replay (faithful W4A4) ===============================================================================
+
+def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (doc §2.3), in their own dtype.
+
+    Static per-tensor `input_scale` (the layer's calibrated global scale), dynamic e4m3 scales per 16 values along K,
+    E2M1 magnitudes rounded to nearest with ties to even. Operation order follows ModelOpt's Triton kernel
+    (fp4_fake_quant_block).
+    """
+    blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
+    input_scale = torch.where(input_scale > 0, input_scale, 1e-12)
+    block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
+    block_scales = (block_amax / (6.0 * input_scale)).clamp(max=448.0).to(torch.float8_e4m3fn).float() * input_scale
+    block_scales = torch.where(block_scales >= 1e-5, block_scales, 1.0)
+    e2m1_magnitudes = torch.tensor(E2M1_MAGNITUDES, device=activations.device)
+    rounded = e2m1_magnitudes[round_to_e2m1_codes(blocks.abs() / block_scales).long()]  # [..., K/16, 16]
+    quantized = rounded * block_scales
+    quantized = torch.where(blocks >= 0, quantized, -quantized)
+    return quantized.flatten(-2).to(activations.dtype)
+
+
+# Eager, the replay is a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
+fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activations, dynamic=True)
+
+
+# ==== packed-expert kernels (Triton) ==================================================================================
+# Two grouped GEMMs that read the experts as they sit in memory (uint8 codes, e4m3 block scales) and decode each
+# weight tile in registers, so no BF16 copy of a layer's experts is ever written. Routing sorts the (token, expert)
+# pairs by expert and pads each expert's run to the row tile, so one launch covers every expert of a layer; nothing
+# reads a GPU value on the host, so the layer can be captured in a CUDA graph. S pairs (T tokens x top-k K), P padded
+# slots (a multiple of the row tile), R rows of a tile, N output columns of a tile, C the reduced (K-loop) dimension.
+#
+# Numerics. A weight is e2m1 * block_scale, exact in BF16 (at most 6 significant bits), so the tensor cores see the
+# checkpoint's values exactly; the per-expert global scale multiplies the fp32 accumulator once. Outputs are rounded
+# to BF16 where transformers' grouped_mm path rounds them (gate and up, SiLU, their product, the down projection, the
+# routing product) and the top-k sum runs in fp32 in a fixed order, so answers are deterministic.
+#
+# Triton 3.9's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) truncates fp32 -> bf16 and rounds
+# fp32 -> e4m3 differently from the GPU, and computes bf16 dots wrongly. So the kernels round to BF16 and to e4m3
+# with plain integer and float arithmetic (round to nearest even, the same on both), and on CPU tensors feed the dots
+# fp32 operands (the same exact products the tensor cores form from BF16).
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> bf16, round to nearest with ties to even (finite inputs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Non-negative fp32 up to 448 rounded to the nearest float8_e4m3fn value (ties to even), as fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (x + 16384.0) - 16384.0  # below 2**-6 e4m3 steps by 2**-9, the fp32 ulp of 2**14
+    return tl.where(x < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _e2m1_times_block_scale(codes, block_scales_x2p14):
+    """E2M1 codes (0..15) times their block scale (fp32, pre-multiplied by 2**14): the weights, exactly, in BF16.
+
+    The 3 magnitude bits go to fp16's exponent and mantissa and the sign bit to fp16's sign, which reads as
+    e2m1 * 2**-14 (0.5 lands on an fp16 subnormal, converted exactly); no table, no branches.
+    """
+    codes = codes.to(tl.uint16)
+    fp16_bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    e2m1_x2m14 = fp16_bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return (e2m1_x2m14 * block_scales_x2p14).to(tl.bfloat16)  # exact: no rounding happens here
+
+
+@triton.jit
+def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """Activations [R, C] (fp32) rounded to NVFP4 as ModelOpt's W4A4 fake quant does (docs/nvfp4-format.md), BF16.
+
+    The same operations in the same order as `fake_quant_nvfp4_activations`: dynamic e4m3 scale per 16 values from
+    the static input scale, E2M1 magnitudes rounded to nearest with ties to even.
+    """
+    blocks = tl.reshape(x, (ROWS, COLUMNS // 16, 16))
+    input_scale = tl.where(input_scale > 0, input_scale, 1e-12)
+    block_amax = tl.max(tl.abs(blocks), axis=2)
+    block_scales = _round_to_e4m3(tl.minimum(block_amax / (6.0 * input_scale), 448.0)) * input_scale
+    block_scales = tl.where(block_scales >= 1e-5, block_scales, 1.0)[:, :, None]
+    magnitude = tl.abs(blocks) / block_scales
+    rounded = tl.where(magnitude > 0.25, 0.5, 0.0)
+    rounded = tl.where(magnitude >= 0.75, 1.0, rounded)
+    rounded = tl.where(magnitude > 1.25, 1.5, rounded)
+    rounded = tl.where(magnitude >= 1.75, 2.0, rounded)
+    rounded = tl.where(magnitude > 2.5, 3.0, rounded)
+    rounded = tl.where(magnitude >= 3.5, 4.0, rounded)
+    rounded = tl.where(magnitude > 5.0, 6.0, rounded)
+    quantized = rounded * block_scales
+    quantized = tl.where(blocks >= 0, quantized, -quantized)
+    return _round_to_bf16(tl.reshape(quantized, (ROWS, COLUMNS)))
+
+
+@triton.jit
+def nvfp4_round_activations_kernel(activations_ptr, input_scale_ptr, out_ptr, COLUMNS: tl.constexpr):
+    """One row of BF16 activations [T, COLUMNS] per program, rounded to NVFP4 with the static input scale."""
+    columns = tl.program_id(0).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)[None, :]  # [1, C]
+    row = tl.load(activations_ptr + columns).to(tl.float32)
+    tl.store(out_ptr + columns, _round_activations_to_nvfp4(row, tl.load(input_scale_ptr), 1, COLUMNS))
+
+
+def round_activations_to_nvfp4(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input, once
+    per token (the layer's input scale is shared by its experts), before the packed gate_up kernel."""
+    out = torch.empty_like(activations)  # [T, H]
+    nvfp4_round_activations_kernel[(activations.shape[0],)](activations.contiguous(), input_scale.float().reshape(1),
+                                                             out, COLUMNS=activations.shape[1])
+    return out
+
+
+@triton.jit
+def _packed_partial_product(
+    a, codes_ptr, block_scales_ptr, weight_rows, reduced_size, c0, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """a [R, BLOCK_C] (BF16) times the packed weight rows `weight_rows` [N] over columns c0..c0+BLOCK_C, in fp32.
+
+    The even and odd columns are multiplied apart, because the low and high nibbles of a byte hold them: the codes
+    are never interleaved back into order (a sum does not care about the order of its terms).
+    """
+    half_columns = tl.arange(0, BLOCK_C // 2)
+    blocks = tl.arange(0, BLOCK_C // 16)
+    # [N, C/2]
+    codes = tl.load(codes_ptr + weight_rows[:, None] * (reduced_size // 2) + c0 // 2 + half_columns[None, :])
+    block_scales = tl.load(block_scales_ptr + weight_rows[:, None] * (reduced_size // 16) + c0 // 16 + blocks[None, :])
+    block_scales = block_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # [N, C/16]
+    # one scale per 8 bytes (16 values, 8 of them even, 8 odd)
+    block_scales = tl.reshape(tl.broadcast_to(block_scales[:, :, None], (BLOCK_N, BLOCK_C // 16, 8)),
+                              (BLOCK_N, BLOCK_C // 2))
+    weights_even = _e2m1_times_block_scale(codes & 0xF, block_scales)  # [N, C/2]
+    weights_odd = _e2m1_times_block_scale(codes >> 4, block_scales)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_C // 2, 2)))  # [R, C/2] each
+    if FP32_DOT:
+        a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+        weights_even, weights_odd = weights_even.to(tl.float32), weights_odd.to(tl.float32)
+    return tl.dot(a_even, tl.trans(weights_even)) + tl.dot(a_odd, tl.trans(weights_odd))
+
+
+@triton.jit
+def nvfp4_gate_up_kernel(
+    hidden_states_ptr,  # BF16 [T, H]
+    slot_pairs_ptr,  # int32 [P]: the pair (token * K + k) in each padded slot, -1 for padding
+    tile_experts_ptr,  # int32 [P / BLOCK_R]: the expert of each row tile, E for tiles past the last
+    packed_codes_ptr,  # uint8 [E, 2I, H/2]: gate rows, then up rows
+    block_scales_ptr,  # e4m3 as uint8 [E, 2I, H/16]
+    global_scale_ptr,  # fp32 [E]
+    down_input_scale_ptr, down_input_scale_stride,  # fp32, the expert's at down_input_scale_ptr + expert * stride
+    intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot, rounded to NVFP4 under SIMULATE_FP4
+    num_experts, hidden, width, top_k,
+    SIMULATE_FP4: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tile, column_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert >= num_experts:
+        return
+    slots = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    pairs = tl.load(slot_pairs_ptr + slots)
+    tokens = tl.where(pairs >= 0, pairs // top_k, 0).to(tl.int64)  # [R]
+    columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    gate_rows = expert.to(tl.int64) * 2 * width + columns
+    gate = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, hidden, BLOCK_C):
+        a = tl.load(hidden_states_ptr + tokens[:, None] * hidden + c0 + tl.arange(0, BLOCK_C)[None, :],
+                    mask=(pairs >= 0)[:, None], other=0.0)  # [R, C]
+        gate += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows, hidden, c0, FP32_DOT,
+                                        BLOCK_N, BLOCK_C)
+        up += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0, FP32_DOT,
+                                      BLOCK_N, BLOCK_C)
+    global_scale = tl.load(global_scale_ptr + expert)
+    gate = _round_to_bf16(gate * global_scale).to(tl.float32)
+    up = _round_to_bf16(up * global_scale).to(tl.float32)
+    activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
+    intermediate = _round_to_bf16(activated * up)  # [R, N]
+    if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
+        down_input_scale = tl.load(down_input_scale_ptr + expert * down_input_scale_stride)
+        intermediate = _round_activations_to_nvfp4(intermediate.to(tl.float32), down_input_scale, BLOCK_R, BLOCK_N)
+    tl.store(intermediate_ptr + slots.to(tl.int64)[:, None] * width + columns[None, :], intermediate)
+
+
+@triton.jit
+def nvfp4_down_kernel(
+    intermediate_ptr,  # BF16 [P, I]
+    slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
+    routing_weights_ptr,  # BF16 [S]: each pair's routing weight
+    packed_codes_ptr,  # uint8 [E, H, I/2]
+    block_scales_ptr,  # e4m3 as uint8 [E, H, I/16]
+    global_scale_ptr,  # fp32 [E]
+    pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
+    num_experts, hidden, width,
+    FP32_DOT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tile, column_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert >= num_experts:
+        return
+    slots = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pairs = tl.load(slot_pairs_ptr + slots)
+    pair_rows = tl.where(pairs >= 0, pairs, 0).to(tl.int64)  # [R]
+    columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    weight_rows = expert.to(tl.int64) * hidden + columns
+    out = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, width, BLOCK_C):
+        a = tl.load(intermediate_ptr + slots[:, None] * width + c0 + tl.arange(0, BLOCK_C)[None, :])  # [R, C]
+        out += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, weight_rows, width, c0, FP32_DOT,
+                                       BLOCK_N, BLOCK_C)
+    out = _round_to_bf16(out * tl.load(global_scale_ptr + expert)).to(tl.float32)
+    routing_weights = tl.load(routing_weights_ptr + pair_rows).to(tl.float32)  # [R]
+    tl.store(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :],
+             _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
+
+
+def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
+    """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
+
+    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
+    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
+    the most any routing can need, so the launch grid depends on T alone.
+    """
+    num_pairs = top_k_index.numel()
+    device = top_k_index.device
+    expert_of_pair = top_k_index.reshape(-1)  # [S]
+    pairs_by_expert = torch.argsort(expert_of_pair, stable=True)  # [S]
+    pairs_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    pairs_per_expert.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))  # [E]
+    tiles_per_expert = (pairs_per_expert + block_rows - 1) // block_rows  # [E]
+    tile_ends = torch.cumsum(tiles_per_expert, 0)  # [E]
+    first_slot = (tile_ends - tiles_per_expert) * block_rows  # [E]
+    first_pair = torch.cumsum(pairs_per_expert, 0) - pairs_per_expert  # [E]
+    max_tiles = -(-num_pairs // block_rows) + min(num_experts, num_pairs)
+    tile_experts = torch.searchsorted(tile_ends, torch.arange(max_tiles, device=device), right=True)  # [P/R]
+    sorted_experts = expert_of_pair[pairs_by_expert]  # [S]
+    slots = first_slot[sorted_experts] + torch.arange(num_pairs, device=device) - first_pair[sorted_experts]  # [S]
+    slot_pairs = torch.full((max_tiles * block_rows,), -1, dtype=torch.int32, device=device)  # [P]
+    slot_pairs.scatter_(0, slots, pairs_by_expert.to(torch.int32))
+    return slot_pairs, tile_experts.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class ExpertTiles:
+    """Tile sizes of the packed-expert kernels: rows (pairs) per tile, then output columns and reduced columns per
+    step for gate_up and for down, and Triton's warps and pipeline stages."""
+
+    rows: int
+    gate_up_columns: int
+    gate_up_reduced: int
+    down_columns: int
+    down_reduced: int
+    num_warps: int
+    num_stages: int
+
+
+# By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
+# tile is padding. The fastest of 28 candidates per token count on an H200 (bench/check_expert_kernels.py,
+# docs/benchmarks.md).
+EXPERT_TILES = (
+    (8, ExpertTiles(16, 64, 128, 64, 128, 4, 3)),
+    (24, ExpertTiles(32, 128, 64, 128, 64, 4, 3)),
+    (192, ExpertTiles(64, 64, 128, 64, 128, 4, 3)),
+    (None, ExpertTiles(128, 128, 64, 128, 64, 8, 3)),
+)
+
+
+def expert_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
+    for most_pairs_per_expert, tiles in EXPERT_TILES:
+        if most_pairs_per_expert is None or num_pairs <= most_pairs_per_expert * num_experts:
+            return tiles
+    raise AssertionError("EXPERT_TILES ends with a catch-all row")
+
+
+def fitted_block(block: int, size: int) -> int:
+    """The largest power of two up to `block` that divides `size` (tiny test models have 32-wide experts)."""
+    while size % block:
+        block //= 2
+    return block
+
+
+class PackedNVFP4Experts(torch.nn.Module):
+    """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
+
+    Stands in for transformers' Qwen3OmniMoeThinkerTextExperts, with the same forward signature. `kernels` says how
+    it computes: "triton", the packed-expert kernels above on the packed bytes; "unpack", this layer unpacked to BF16
+    scratch tensors, transformers' grouped_mm experts function on them, then freed (the reference).
+    E experts, H hidden, I expert width, T tokens, K experts per token.
+    """
+
+    def __init__(self, text_config, act_fn: Callable, has_input_scales: bool):
+        super().__init__()
+        num_experts, hidden, width = text_config.num_experts, text_config.hidden_size, text_config.moe_intermediate_size
+        self.num_experts, self.hidden, self.width = num_experts, hidden, width
+        self.act_fn = act_fn
+        self.has_input_scales = has_input_scales  # W4A4 exports carry input scales, W4A16 ones do not
+        self.simulate_fp4_activations = False
+        self.kernels = "unpack"
+        self.top_k = text_config.num_experts_per_tok
+        uint8, e4m3, fp32 = torch.uint8, torch.float8_e4m3fn, torch.float32
+        # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
+        self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
+        self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=e4m3))
+        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=fp32))
+        self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
+        self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
+        self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
+        # The layer's shared activation scales (one input quantizer per projection type per layer, doc §3.2).
+        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
+        self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
+        self.stored = set()  # (expert, projection, field) received so far
+        self.first_input_scale_name = {}  # "gate_up" / "down" -> checkpoint name that set the layer's input scale
+
+    @torch.no_grad()
+    def store(self, expert: int, projection: str, field: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
+        """Put one checkpoint tensor of one expert in place, checking dtype, shape, NaN bytes and scale equalities."""
+        group = "down" if projection == "down_proj" else "gate_up"
+        rows = slice(0, None)
+        if projection == "gate_proj":
+            rows = slice(0, self.width)
+        elif projection == "up_proj":
+            rows = slice(self.width, 2 * self.width)
+        in_features = self.width if group == "down" else self.hidden
+        out_features = self.hidden if group == "down" else self.width
+
+        def fail(problem: str) -> None:
+            raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+        if field == "weight":
+            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+                fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+            getattr(self, f"{group}_packed_codes")[expert, rows].copy_(tensor)
+        elif field == "weight_scale":
+            if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+                fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+            if ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
+                fail("NaN block scale bytes (0x7F/0xFF) as ModelOpt < 0.47 wrote them: re-export with ModelOpt >= 0.47")
+            getattr(self, f"{group}_block_scales")[expert, rows].copy_(tensor)
+        else:
+            if tensor.dtype != torch.float32 or tensor.numel() != 1:
+                fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+            value = tensor.reshape(()).to(self.gate_up_global_scale.device)
+            if not torch.isfinite(value) or value <= 0:
+                fail(f"scale {value.item()} must be finite and positive")
+            if field == "weight_scale_2":
+                global_scale = getattr(self, f"{group}_global_scale")
+                partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
+                if (expert, partner, field) in self.stored and global_scale[expert] != value:
+                    fail(
+                        f"{value.item()} differs from the {partner} weight_scale_2 {global_scale[expert].item()} of "
+                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up (doc §3.2): "
+                        "re-export with nvidia-modelopt>=0.47"
+                    )
+                global_scale[expert] = value
+            elif not self.has_input_scales:
+                fail("input_scale in a W4A16_NVFP4 export (weight-only exports have none); fix hf_quant_config.json")
+            else:
+                input_scale = getattr(self, f"{group}_input_scale")
+                if group in self.first_input_scale_name and input_scale != value:
+                    fail(
+                        f"input_scale {value.item()} differs from {self.first_input_scale_name[group]} = "
+                        f"{input_scale.item()}; ModelOpt shares one input quantizer for gate and up of all experts of "
+                        "a layer and one for down (doc §3.2), so this export is broken: re-export it"
+                    )
+                self.first_input_scale_name.setdefault(group, checkpoint_name)
+                input_scale.copy_(value)
+        self.stored.add((expert, projection, field))
+
+    def missing_tensors(self, experts_name: str) -> list[str]:
+        fields = ("weight", "weight_scale", "weight_scale_2") + (("input_scale",) if self.has_input_scales else ())
+        return [
+            f"{experts_name}.{expert}.{projection}.{field}"
+            for expert in range(self.num_experts)
+            for projection in ("gate_proj", "up_proj", "down_proj")
+            for field in fields
+            if (expert, projection, field) not in self.stored
+        ]
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+        unpack = unpack_nvfp4_compiled if self.gate_up_packed_codes.is_cuda else unpack_nvfp4
+        gate_up_proj = unpack(self.gate_up_packed_codes, self.gate_up_block_scales, self.gate_up_global_scale)
+        down_proj = unpack(self.down_packed_codes, self.down_block_scales, self.down_global_scale)
+        return gate_up_proj, down_proj
+
+    @torch.no_grad()
+    def unpack_into(self, experts: torch.nn.Module) -> None:
+        """--no-packed-nvfp4: write the dequantised weights into transformers' stock experts module."""
+        gate_up_proj, down_proj = self.unpacked()
+        experts.gate_up_proj.copy_(gate_up_proj)
+        experts.down_proj.copy_(down_proj)
+
+    def fake_quant(self, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+        fake_quant = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
+        return fake_quant(activations, input_scale)
+
+    def apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:  # [S, 2I] -> [S, I]
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        intermediate = self.act_fn(gate) * up
+        if self.simulate_fp4_activations:
+            intermediate = self.fake_quant(intermediate, self.down_input_scale)
+        return intermediate
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]
+        if self.kernels == "triton":
+            return self.forward_packed(hidden_states, top_k_index, top_k_weights)
+        return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
+
+    def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
+        num_tokens, top_k = top_k_index.shape
+        tiles = expert_tiles(top_k_index.numel(), self.num_experts)
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
+        num_tiles = tile_experts.numel()
+        common = dict(
+            FP32_DOT=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+        if self.simulate_fp4_activations:
+            hidden_states = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale)
+        gate_up_columns = fitted_block(tiles.gate_up_columns, self.width)
+        intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
+        nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
+            hidden_states.contiguous(), slot_pairs, tile_experts,
+            self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
+            self.down_input_scale, 0, intermediate, self.num_experts, self.hidden, self.width, top_k,
+            SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
+            BLOCK_C=fitted_block(tiles.gate_up_reduced, self.hidden), **common,
+        )
+        down_columns = fitted_block(tiles.down_columns, self.hidden)
+        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
+        nvfp4_down_kernel[(num_tiles, self.hidden // down_columns)](
+            intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
+            self.down_packed_codes, self.down_block_scales.view(torch.uint8), self.down_global_scale,
+            pair_outputs, self.num_experts, self.hidden, self.width,
+            BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.down_reduced, self.width), **common,
+        )
+        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
+
+    @torch.no_grad()
+    def compile_kernels(self) -> None:
+        """Run the packed kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
+        generator = torch.Generator(self.gate_up_packed_codes.device).manual_seed(0)
+        for most_pairs_per_expert, _ in EXPERT_TILES:
+            pairs_per_expert = most_pairs_per_expert or 2 * EXPERT_TILES[-2][0]
+            num_tokens = max(1, pairs_per_expert * self.num_experts // self.top_k)
+            hidden_states = torch.randn(num_tokens, self.hidden, generator=generator, device=generator.device)
+            router_logits = torch.randn(num_tokens, self.num_experts, generator=generator, device=generator.device)
+            top_k_weights, top_k_index = router_logits.softmax(-1).topk(self.top_k, dim=-1)
+            self.forward_packed(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
+
+    def forward_unpacked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.simulate_fp4_activations:
+            hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
+        gate_up_proj, down_proj = self.unpacked()
+        # The attributes transformers' grouped_mm experts function reads from a stock experts module (doc §8.3).
+        stock_experts_view = types.SimpleNamespace(
+            num_experts=self.num_experts,
+            has_gate=True,
+            has_bias=False,
+            is_transposed=False,
+            is_concatenated=True,
+            has_post_expert_norm=False,
+            _is_expert_parallel=False,
+            act_fn=self.act_fn,
+            _apply_gate=self.apply_gate,
+            gate_up_proj=gate_up_proj,
+            down_proj=down_proj,
+        )
+        return grouped_mm_experts_forward(stock_experts_view, hidden_states, top_k_index, top_k_weights)
+
+
+# ==== checkpoint loading ==============================================================================================
 
 DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
 DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
@@ -81,63 +608,6 @@ SIBLING_FILES = "joint_schema_model.py and synthetic_release.py, beside serve_cl
 SYNTHETIC_MODELS = ("synthetic", "synthetic:full")
 EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="serve_clef.py",
-        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
-    )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
-        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
-        f"Default: {DEFAULT_MODEL}.",
-    )
-    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="Torch device to run on. Default: cuda when available, else cpu.",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
-    parser.add_argument("--demo", action="store_true", help="Answer one built-in request, print it, and exit.")
-    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
-    parser.add_argument(
-        "--simulate-fp4-activations",
-        action="store_true",
-        help="W4A4 (ModelOpt NVFP4) checkpoints only: round every expert input to NVFP4 as ModelOpt calibrated it, "
-        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
-    )
-    parser.add_argument(
-        "--no-packed-nvfp4",
-        action="store_true",
-        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
-    )
-    parser.add_argument(
-        "--expert-kernels",
-        choices=EXPERT_KERNELS,
-        default="auto",
-        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
-        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
-        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        default=DEFAULT_MAX_LENGTH,
-        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("SERVE_CLEF_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
-    )
-    return parser.parse_args(argv)
-
-
-# ==== checkpoint loading ==============================================================================================
 
 class CheckpointError(ValueError):
     """A checkpoint or flag combination that cannot be served; the message says what is wrong and how to fix it."""
@@ -686,532 +1156,6 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
         simulate_fp4_activations=args.simulate_fp4_activations, packed_nvfp4=not args.no_packed_nvfp4,
         progress=progress,
     )
-
-
-# ==== packed experts and their kernels ================================================================================
-
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (doc §2)
-
-
-def round_to_e2m1_codes(magnitude: torch.Tensor) -> torch.Tensor:
-    """Magnitude codes 0..7 (uint8) of non-negative values rounded to the E2M1 grid, to nearest with ties to even.
-
-    One step up per midpoint passed (doc §2.3's table). A tie goes to the even mantissa: it steps up only past the
-    midpoints whose upper neighbour is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4), hence >= there and > elsewhere. Plain
-    comparisons, so torch.compile fuses the rounding into the kernels around it.
-    """
-    codes = (
-        (magnitude > 0.25).to(torch.uint8)
-        + (magnitude >= 0.75)
-        + (magnitude > 1.25)
-        + (magnitude >= 1.75)
-        + (magnitude > 2.5)
-        + (magnitude >= 3.5)
-        + (magnitude > 5.0)
-    )
-    return codes
-
-
-def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Dequantise NVFP4 expert weights to BF16 (doc §2.1): W = e2m1(code) * (block_scale * global_scale).
-
-    packed_codes uint8 [E, O, K/2] (element 2i in the low nibble), block_scales float8_e4m3fn [E, O, K/16],
-    global_scale fp32 [E] -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
-    """
-    num_experts, rows, half_columns = packed_codes.shape
-    codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).view(num_experts, rows, 2 * half_columns)
-    # E2M1: bit 3 sign, bits 1-2 exponent, bit 0 mantissa; exponent 0 is subnormal (0 or 0.5), otherwise
-    # 2**(exponent - 1) * (1 + mantissa / 2): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. In integer halves, so the
-    # compiled kernel stays exact (GPU exp2 is approximate): 0, 1, 2, 3, 4, 6, 8, 12.
-    exponent = ((codes >> 1) & 0b11).to(torch.int32)
-    mantissa = (codes & 1).to(torch.int32)
-    halves = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
-    magnitude = halves.float() * 0.5
-    values = torch.where(codes >= 8, -magnitude, magnitude)  # [E, O, K]
-    per_block = block_scales.float() * global_scale[:, None, None]  # [E, O, K/16]
-    weight = values.view(num_experts, rows, -1, 16) * per_block.unsqueeze(-1)  # [E, O, K/16, 16]
-    return weight.view(num_experts, rows, 2 * half_columns).to(torch.bfloat16)
-
-
-# On CUDA the eager unpack takes ~8 passes over a layer's experts; compiled it is one kernel reading the packed bytes
-# once (bandwidth floor ~0.4 ms per full-size layer on an H200). CPU keeps the eager version.
-unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=False)
-
-
-# ==== activation replay (faithful W4A4) ===============================================================================
-
-def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (doc §2.3), in their own dtype.
-
-    Static per-tensor `input_scale` (the layer's calibrated global scale), dynamic e4m3 scales per 16 values along K,
-    E2M1 magnitudes rounded to nearest with ties to even. Operation order follows ModelOpt's Triton kernel
-    (fp4_fake_quant_block).
-    """
-    blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
-    input_scale = torch.where(input_scale > 0, input_scale, 1e-12)
-    block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
-    block_scales = (block_amax / (6.0 * input_scale)).clamp(max=448.0).to(torch.float8_e4m3fn).float() * input_scale
-    block_scales = torch.where(block_scales >= 1e-5, block_scales, 1.0)
-    e2m1_magnitudes = torch.tensor(E2M1_MAGNITUDES, device=activations.device)
-    rounded = e2m1_magnitudes[round_to_e2m1_codes(blocks.abs() / block_scales).long()]  # [..., K/16, 16]
-    quantized = rounded * block_scales
-    quantized = torch.where(blocks >= 0, quantized, -quantized)
-    return quantized.flatten(-2).to(activations.dtype)
-
-
-# Eager, the replay is a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
-fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activations, dynamic=True)
-
-
-# ==== packed-expert kernels (Triton) ==================================================================================
-# Two grouped GEMMs that read the experts as they sit in memory (uint8 codes, e4m3 block scales) and decode each
-# weight tile in registers, so no BF16 copy of a layer's experts is ever written. Routing sorts the (token, expert)
-# pairs by expert and pads each expert's run to the row tile, so one launch covers every expert of a layer; nothing
-# reads a GPU value on the host, so the layer can be captured in a CUDA graph. S pairs (T tokens x top-k K), P padded
-# slots (a multiple of the row tile), R rows of a tile, N output columns of a tile, C the reduced (K-loop) dimension.
-#
-# Numerics. A weight is e2m1 * block_scale, exact in BF16 (at most 6 significant bits), so the tensor cores see the
-# checkpoint's values exactly; the per-expert global scale multiplies the fp32 accumulator once. Outputs are rounded
-# to BF16 where transformers' grouped_mm path rounds them (gate and up, SiLU, their product, the down projection, the
-# routing product) and the top-k sum runs in fp32 in a fixed order, so answers are deterministic.
-#
-# Triton 3.9's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) truncates fp32 -> bf16 and rounds
-# fp32 -> e4m3 differently from the GPU, and computes bf16 dots wrongly. So the kernels round to BF16 and to e4m3
-# with plain integer and float arithmetic (round to nearest even, the same on both), and on CPU tensors feed the dots
-# fp32 operands (the same exact products the tensor cores form from BF16).
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16, round to nearest with ties to even (finite inputs)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """Non-negative fp32 up to 448 rounded to the nearest float8_e4m3fn value (ties to even), as fp32."""
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (x + 16384.0) - 16384.0  # below 2**-6 e4m3 steps by 2**-9, the fp32 ulp of 2**14
-    return tl.where(x < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _e2m1_times_block_scale(codes, block_scales_x2p14):
-    """E2M1 codes (0..15) times their block scale (fp32, pre-multiplied by 2**14): the weights, exactly, in BF16.
-
-    The 3 magnitude bits go to fp16's exponent and mantissa and the sign bit to fp16's sign, which reads as
-    e2m1 * 2**-14 (0.5 lands on an fp16 subnormal, converted exactly); no table, no branches.
-    """
-    codes = codes.to(tl.uint16)
-    fp16_bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    e2m1_x2m14 = fp16_bits.to(tl.float16, bitcast=True).to(tl.float32)
-    return (e2m1_x2m14 * block_scales_x2p14).to(tl.bfloat16)  # exact: no rounding happens here
-
-
-@triton.jit
-def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """Activations [R, C] (fp32) rounded to NVFP4 as ModelOpt's W4A4 fake quant does (docs/nvfp4-format.md), BF16.
-
-    The same operations in the same order as `fake_quant_nvfp4_activations`: dynamic e4m3 scale per 16 values from
-    the static input scale, E2M1 magnitudes rounded to nearest with ties to even.
-    """
-    blocks = tl.reshape(x, (ROWS, COLUMNS // 16, 16))
-    input_scale = tl.where(input_scale > 0, input_scale, 1e-12)
-    block_amax = tl.max(tl.abs(blocks), axis=2)
-    block_scales = _round_to_e4m3(tl.minimum(block_amax / (6.0 * input_scale), 448.0)) * input_scale
-    block_scales = tl.where(block_scales >= 1e-5, block_scales, 1.0)[:, :, None]
-    magnitude = tl.abs(blocks) / block_scales
-    rounded = tl.where(magnitude > 0.25, 0.5, 0.0)
-    rounded = tl.where(magnitude >= 0.75, 1.0, rounded)
-    rounded = tl.where(magnitude > 1.25, 1.5, rounded)
-    rounded = tl.where(magnitude >= 1.75, 2.0, rounded)
-    rounded = tl.where(magnitude > 2.5, 3.0, rounded)
-    rounded = tl.where(magnitude >= 3.5, 4.0, rounded)
-    rounded = tl.where(magnitude > 5.0, 6.0, rounded)
-    quantized = rounded * block_scales
-    quantized = tl.where(blocks >= 0, quantized, -quantized)
-    return _round_to_bf16(tl.reshape(quantized, (ROWS, COLUMNS)))
-
-
-@triton.jit
-def nvfp4_round_activations_kernel(activations_ptr, input_scale_ptr, out_ptr, COLUMNS: tl.constexpr):
-    """One row of BF16 activations [T, COLUMNS] per program, rounded to NVFP4 with the static input scale."""
-    columns = tl.program_id(0).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)[None, :]  # [1, C]
-    row = tl.load(activations_ptr + columns).to(tl.float32)
-    tl.store(out_ptr + columns, _round_activations_to_nvfp4(row, tl.load(input_scale_ptr), 1, COLUMNS))
-
-
-def round_activations_to_nvfp4(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input, once
-    per token (the layer's input scale is shared by its experts), before the packed gate_up kernel."""
-    out = torch.empty_like(activations)  # [T, H]
-    nvfp4_round_activations_kernel[(activations.shape[0],)](activations.contiguous(), input_scale.float().reshape(1),
-                                                             out, COLUMNS=activations.shape[1])
-    return out
-
-
-@triton.jit
-def _packed_partial_product(
-    a, codes_ptr, block_scales_ptr, weight_rows, reduced_size, c0, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """a [R, BLOCK_C] (BF16) times the packed weight rows `weight_rows` [N] over columns c0..c0+BLOCK_C, in fp32.
-
-    The even and odd columns are multiplied apart, because the low and high nibbles of a byte hold them: the codes
-    are never interleaved back into order (a sum does not care about the order of its terms).
-    """
-    half_columns = tl.arange(0, BLOCK_C // 2)
-    blocks = tl.arange(0, BLOCK_C // 16)
-    # [N, C/2]
-    codes = tl.load(codes_ptr + weight_rows[:, None] * (reduced_size // 2) + c0 // 2 + half_columns[None, :])
-    block_scales = tl.load(block_scales_ptr + weight_rows[:, None] * (reduced_size // 16) + c0 // 16 + blocks[None, :])
-    block_scales = block_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # [N, C/16]
-    # one scale per 8 bytes (16 values, 8 of them even, 8 odd)
-    block_scales = tl.reshape(tl.broadcast_to(block_scales[:, :, None], (BLOCK_N, BLOCK_C // 16, 8)),
-                              (BLOCK_N, BLOCK_C // 2))
-    weights_even = _e2m1_times_block_scale(codes & 0xF, block_scales)  # [N, C/2]
-    weights_odd = _e2m1_times_block_scale(codes >> 4, block_scales)
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_C // 2, 2)))  # [R, C/2] each
-    if FP32_DOT:
-        a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-        weights_even, weights_odd = weights_even.to(tl.float32), weights_odd.to(tl.float32)
-    return tl.dot(a_even, tl.trans(weights_even)) + tl.dot(a_odd, tl.trans(weights_odd))
-
-
-@triton.jit
-def nvfp4_gate_up_kernel(
-    hidden_states_ptr,  # BF16 [T, H]
-    slot_pairs_ptr,  # int32 [P]: the pair (token * K + k) in each padded slot, -1 for padding
-    tile_experts_ptr,  # int32 [P / BLOCK_R]: the expert of each row tile, E for tiles past the last
-    packed_codes_ptr,  # uint8 [E, 2I, H/2]: gate rows, then up rows
-    block_scales_ptr,  # e4m3 as uint8 [E, 2I, H/16]
-    global_scale_ptr,  # fp32 [E]
-    down_input_scale_ptr, down_input_scale_stride,  # fp32, the expert's at down_input_scale_ptr + expert * stride
-    intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot, rounded to NVFP4 under SIMULATE_FP4
-    num_experts, hidden, width, top_k,
-    SIMULATE_FP4: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    tile, column_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_experts_ptr + tile)
-    if expert >= num_experts:
-        return
-    slots = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    pairs = tl.load(slot_pairs_ptr + slots)
-    tokens = tl.where(pairs >= 0, pairs // top_k, 0).to(tl.int64)  # [R]
-    columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    gate_rows = expert.to(tl.int64) * 2 * width + columns
-    gate = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for c0 in range(0, hidden, BLOCK_C):
-        a = tl.load(hidden_states_ptr + tokens[:, None] * hidden + c0 + tl.arange(0, BLOCK_C)[None, :],
-                    mask=(pairs >= 0)[:, None], other=0.0)  # [R, C]
-        gate += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows, hidden, c0, FP32_DOT,
-                                        BLOCK_N, BLOCK_C)
-        up += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0, FP32_DOT,
-                                      BLOCK_N, BLOCK_C)
-    global_scale = tl.load(global_scale_ptr + expert)
-    gate = _round_to_bf16(gate * global_scale).to(tl.float32)
-    up = _round_to_bf16(up * global_scale).to(tl.float32)
-    activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
-    intermediate = _round_to_bf16(activated * up)  # [R, N]
-    if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
-        down_input_scale = tl.load(down_input_scale_ptr + expert * down_input_scale_stride)
-        intermediate = _round_activations_to_nvfp4(intermediate.to(tl.float32), down_input_scale, BLOCK_R, BLOCK_N)
-    tl.store(intermediate_ptr + slots.to(tl.int64)[:, None] * width + columns[None, :], intermediate)
-
-
-@triton.jit
-def nvfp4_down_kernel(
-    intermediate_ptr,  # BF16 [P, I]
-    slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
-    routing_weights_ptr,  # BF16 [S]: each pair's routing weight
-    packed_codes_ptr,  # uint8 [E, H, I/2]
-    block_scales_ptr,  # e4m3 as uint8 [E, H, I/16]
-    global_scale_ptr,  # fp32 [E]
-    pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
-    num_experts, hidden, width,
-    FP32_DOT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    tile, column_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_experts_ptr + tile)
-    if expert >= num_experts:
-        return
-    slots = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    pairs = tl.load(slot_pairs_ptr + slots)
-    pair_rows = tl.where(pairs >= 0, pairs, 0).to(tl.int64)  # [R]
-    columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    weight_rows = expert.to(tl.int64) * hidden + columns
-    out = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for c0 in range(0, width, BLOCK_C):
-        a = tl.load(intermediate_ptr + slots[:, None] * width + c0 + tl.arange(0, BLOCK_C)[None, :])  # [R, C]
-        out += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, weight_rows, width, c0, FP32_DOT,
-                                       BLOCK_N, BLOCK_C)
-    out = _round_to_bf16(out * tl.load(global_scale_ptr + expert)).to(tl.float32)
-    routing_weights = tl.load(routing_weights_ptr + pair_rows).to(tl.float32)  # [R]
-    tl.store(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :],
-             _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
-
-
-def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
-    """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
-
-    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
-    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
-    the most any routing can need, so the launch grid depends on T alone.
-    """
-    num_pairs = top_k_index.numel()
-    device = top_k_index.device
-    expert_of_pair = top_k_index.reshape(-1)  # [S]
-    pairs_by_expert = torch.argsort(expert_of_pair, stable=True)  # [S]
-    pairs_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    pairs_per_expert.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))  # [E]
-    tiles_per_expert = (pairs_per_expert + block_rows - 1) // block_rows  # [E]
-    tile_ends = torch.cumsum(tiles_per_expert, 0)  # [E]
-    first_slot = (tile_ends - tiles_per_expert) * block_rows  # [E]
-    first_pair = torch.cumsum(pairs_per_expert, 0) - pairs_per_expert  # [E]
-    max_tiles = -(-num_pairs // block_rows) + min(num_experts, num_pairs)
-    tile_experts = torch.searchsorted(tile_ends, torch.arange(max_tiles, device=device), right=True)  # [P/R]
-    sorted_experts = expert_of_pair[pairs_by_expert]  # [S]
-    slots = first_slot[sorted_experts] + torch.arange(num_pairs, device=device) - first_pair[sorted_experts]  # [S]
-    slot_pairs = torch.full((max_tiles * block_rows,), -1, dtype=torch.int32, device=device)  # [P]
-    slot_pairs.scatter_(0, slots, pairs_by_expert.to(torch.int32))
-    return slot_pairs, tile_experts.to(torch.int32)
-
-
-@dataclass(frozen=True)
-class ExpertTiles:
-    """Tile sizes of the packed-expert kernels: rows (pairs) per tile, then output columns and reduced columns per
-    step for gate_up and for down, and Triton's warps and pipeline stages."""
-
-    rows: int
-    gate_up_columns: int
-    gate_up_reduced: int
-    down_columns: int
-    down_reduced: int
-    num_warps: int
-    num_stages: int
-
-
-# By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
-# tile is padding. The fastest of 28 candidates per token count on an H200 (bench/check_expert_kernels.py,
-# docs/benchmarks.md).
-EXPERT_TILES = (
-    (8, ExpertTiles(16, 64, 128, 64, 128, 4, 3)),
-    (24, ExpertTiles(32, 128, 64, 128, 64, 4, 3)),
-    (192, ExpertTiles(64, 64, 128, 64, 128, 4, 3)),
-    (None, ExpertTiles(128, 128, 64, 128, 64, 8, 3)),
-)
-
-
-def expert_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
-    for most_pairs_per_expert, tiles in EXPERT_TILES:
-        if most_pairs_per_expert is None or num_pairs <= most_pairs_per_expert * num_experts:
-            return tiles
-    raise AssertionError("EXPERT_TILES ends with a catch-all row")
-
-
-def fitted_block(block: int, size: int) -> int:
-    """The largest power of two up to `block` that divides `size` (tiny test models have 32-wide experts)."""
-    while size % block:
-        block //= 2
-    return block
-
-
-class PackedNVFP4Experts(torch.nn.Module):
-    """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
-
-    Stands in for transformers' Qwen3OmniMoeThinkerTextExperts, with the same forward signature. `kernels` says how
-    it computes: "triton", the packed-expert kernels above on the packed bytes; "unpack", this layer unpacked to BF16
-    scratch tensors, transformers' grouped_mm experts function on them, then freed (the reference).
-    E experts, H hidden, I expert width, T tokens, K experts per token.
-    """
-
-    def __init__(self, text_config, act_fn: Callable, has_input_scales: bool):
-        super().__init__()
-        num_experts, hidden, width = text_config.num_experts, text_config.hidden_size, text_config.moe_intermediate_size
-        self.num_experts, self.hidden, self.width = num_experts, hidden, width
-        self.act_fn = act_fn
-        self.has_input_scales = has_input_scales  # W4A4 exports carry input scales, W4A16 ones do not
-        self.simulate_fp4_activations = False
-        self.kernels = "unpack"
-        self.top_k = text_config.num_experts_per_tok
-        uint8, e4m3, fp32 = torch.uint8, torch.float8_e4m3fn, torch.float32
-        # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
-        self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
-        self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=e4m3))
-        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=fp32))
-        self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
-        self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
-        self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
-        # The layer's shared activation scales (one input quantizer per projection type per layer, doc §3.2).
-        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
-        self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
-        self.stored = set()  # (expert, projection, field) received so far
-        self.first_input_scale_name = {}  # "gate_up" / "down" -> checkpoint name that set the layer's input scale
-
-    @torch.no_grad()
-    def store(self, expert: int, projection: str, field: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
-        """Put one checkpoint tensor of one expert in place, checking dtype, shape, NaN bytes and scale equalities."""
-        group = "down" if projection == "down_proj" else "gate_up"
-        rows = slice(0, None)
-        if projection == "gate_proj":
-            rows = slice(0, self.width)
-        elif projection == "up_proj":
-            rows = slice(self.width, 2 * self.width)
-        in_features = self.width if group == "down" else self.hidden
-        out_features = self.hidden if group == "down" else self.width
-
-        def fail(problem: str) -> None:
-            raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
-        if field == "weight":
-            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
-            getattr(self, f"{group}_packed_codes")[expert, rows].copy_(tensor)
-        elif field == "weight_scale":
-            if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-            if ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
-                fail("NaN block scale bytes (0x7F/0xFF) as ModelOpt < 0.47 wrote them: re-export with ModelOpt >= 0.47")
-            getattr(self, f"{group}_block_scales")[expert, rows].copy_(tensor)
-        else:
-            if tensor.dtype != torch.float32 or tensor.numel() != 1:
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-            value = tensor.reshape(()).to(self.gate_up_global_scale.device)
-            if not torch.isfinite(value) or value <= 0:
-                fail(f"scale {value.item()} must be finite and positive")
-            if field == "weight_scale_2":
-                global_scale = getattr(self, f"{group}_global_scale")
-                partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
-                if (expert, partner, field) in self.stored and global_scale[expert] != value:
-                    fail(
-                        f"{value.item()} differs from the {partner} weight_scale_2 {global_scale[expert].item()} of "
-                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up (doc §3.2): "
-                        "re-export with nvidia-modelopt>=0.47"
-                    )
-                global_scale[expert] = value
-            elif not self.has_input_scales:
-                fail("input_scale in a W4A16_NVFP4 export (weight-only exports have none); fix hf_quant_config.json")
-            else:
-                input_scale = getattr(self, f"{group}_input_scale")
-                if group in self.first_input_scale_name and input_scale != value:
-                    fail(
-                        f"input_scale {value.item()} differs from {self.first_input_scale_name[group]} = "
-                        f"{input_scale.item()}; ModelOpt shares one input quantizer for gate and up of all experts of "
-                        "a layer and one for down (doc §3.2), so this export is broken: re-export it"
-                    )
-                self.first_input_scale_name.setdefault(group, checkpoint_name)
-                input_scale.copy_(value)
-        self.stored.add((expert, projection, field))
-
-    def missing_tensors(self, experts_name: str) -> list[str]:
-        fields = ("weight", "weight_scale", "weight_scale_2") + (("input_scale",) if self.has_input_scales else ())
-        return [
-            f"{experts_name}.{expert}.{projection}.{field}"
-            for expert in range(self.num_experts)
-            for projection in ("gate_proj", "up_proj", "down_proj")
-            for field in fields
-            if (expert, projection, field) not in self.stored
-        ]
-
-    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
-        unpack = unpack_nvfp4_compiled if self.gate_up_packed_codes.is_cuda else unpack_nvfp4
-        gate_up_proj = unpack(self.gate_up_packed_codes, self.gate_up_block_scales, self.gate_up_global_scale)
-        down_proj = unpack(self.down_packed_codes, self.down_block_scales, self.down_global_scale)
-        return gate_up_proj, down_proj
-
-    @torch.no_grad()
-    def unpack_into(self, experts: torch.nn.Module) -> None:
-        """--no-packed-nvfp4: write the dequantised weights into transformers' stock experts module."""
-        gate_up_proj, down_proj = self.unpacked()
-        experts.gate_up_proj.copy_(gate_up_proj)
-        experts.down_proj.copy_(down_proj)
-
-    def fake_quant(self, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-        fake_quant = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
-        return fake_quant(activations, input_scale)
-
-    def apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:  # [S, 2I] -> [S, I]
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        intermediate = self.act_fn(gate) * up
-        if self.simulate_fp4_activations:
-            intermediate = self.fake_quant(intermediate, self.down_input_scale)
-        return intermediate
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]
-        if self.kernels == "triton":
-            return self.forward_packed(hidden_states, top_k_index, top_k_weights)
-        return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
-
-    def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
-        num_tokens, top_k = top_k_index.shape
-        tiles = expert_tiles(top_k_index.numel(), self.num_experts)
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
-        num_tiles = tile_experts.numel()
-        common = dict(
-            FP32_DOT=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
-        if self.simulate_fp4_activations:
-            hidden_states = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale)
-        gate_up_columns = fitted_block(tiles.gate_up_columns, self.width)
-        intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
-        nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
-            hidden_states.contiguous(), slot_pairs, tile_experts,
-            self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
-            self.down_input_scale, 0, intermediate, self.num_experts, self.hidden, self.width, top_k,
-            SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
-            BLOCK_C=fitted_block(tiles.gate_up_reduced, self.hidden), **common,
-        )
-        down_columns = fitted_block(tiles.down_columns, self.hidden)
-        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        nvfp4_down_kernel[(num_tiles, self.hidden // down_columns)](
-            intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
-            self.down_packed_codes, self.down_block_scales.view(torch.uint8), self.down_global_scale,
-            pair_outputs, self.num_experts, self.hidden, self.width,
-            BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.down_reduced, self.width), **common,
-        )
-        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
-
-    @torch.no_grad()
-    def compile_kernels(self) -> None:
-        """Run the packed kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
-        generator = torch.Generator(self.gate_up_packed_codes.device).manual_seed(0)
-        for most_pairs_per_expert, _ in EXPERT_TILES:
-            pairs_per_expert = most_pairs_per_expert or 2 * EXPERT_TILES[-2][0]
-            num_tokens = max(1, pairs_per_expert * self.num_experts // self.top_k)
-            hidden_states = torch.randn(num_tokens, self.hidden, generator=generator, device=generator.device)
-            router_logits = torch.randn(num_tokens, self.num_experts, generator=generator, device=generator.device)
-            top_k_weights, top_k_index = router_logits.softmax(-1).topk(self.top_k, dim=-1)
-            self.forward_packed(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
-
-    def forward_unpacked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.simulate_fp4_activations:
-            hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
-        gate_up_proj, down_proj = self.unpacked()
-        # The attributes transformers' grouped_mm experts function reads from a stock experts module (doc §8.3).
-        stock_experts_view = types.SimpleNamespace(
-            num_experts=self.num_experts,
-            has_gate=True,
-            has_bias=False,
-            is_transposed=False,
-            is_concatenated=True,
-            has_post_expert_norm=False,
-            _is_expert_parallel=False,
-            act_fn=self.act_fn,
-            _apply_gate=self.apply_gate,
-            gate_up_proj=gate_up_proj,
-            down_proj=down_proj,
-        )
-        return grouped_mm_experts_forward(stock_experts_view, hidden_states, top_k_index, top_k_weights)
 
 
 # ==== engine: the text decoder in CUDA graphs =========================================================================
@@ -1952,6 +1896,68 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
     return app
 
 
+def console(line: str) -> None:
+    """Progress and notices go to stderr, so that --demo and --request print nothing but JSON on stdout."""
+    print(line, file=sys.stderr, flush=True)
+
+
+# ==== command line ====================================================================================================
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="serve_clef.py",
+        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
+        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
+        f"Default: {DEFAULT_MODEL}.",
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="Torch device to run on. Default: cuda when available, else cpu.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    parser.add_argument("--demo", action="store_true", help="Answer one built-in request, print it, and exit.")
+    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
+    parser.add_argument(
+        "--simulate-fp4-activations",
+        action="store_true",
+        help="W4A4 (ModelOpt NVFP4) checkpoints only: round every expert input to NVFP4 as ModelOpt calibrated it, "
+        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
+    )
+    parser.add_argument(
+        "--no-packed-nvfp4",
+        action="store_true",
+        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
+    )
+    parser.add_argument(
+        "--expert-kernels",
+        choices=EXPERT_KERNELS,
+        default="auto",
+        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
+        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
+        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVE_CLEF_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
+    )
+    return parser.parse_args(argv)
+
+
 DEMO_REQUEST = {
     "model": SERVED_NAME,
     "state": {
@@ -1972,11 +1978,6 @@ DEMO_REQUEST = {
         },
     },
 }
-
-
-def console(line: str) -> None:
-    """Progress and notices go to stderr, so that --demo and --request print nothing but JSON on stdout."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def answer_once(args: argparse.Namespace) -> int:
