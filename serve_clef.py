@@ -76,15 +76,15 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 
 # ==== packed experts and their kernels ================================================================================
 
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (doc §2)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (docs/nvfp4-format.md §2)
 
 
 def round_to_e2m1_codes(magnitude: torch.Tensor) -> torch.Tensor:
     """Magnitude codes 0..7 (uint8) of non-negative values rounded to the E2M1 grid, to nearest with ties to even.
 
-    One step up per midpoint passed (doc §2.3's table). A tie goes to the even mantissa: it steps up only past the
-    midpoints whose upper neighbour is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4), hence >= there and > elsewhere. Plain
-    comparisons, so torch.compile fuses the rounding into the kernels around it.
+    One step up per midpoint passed (docs/nvfp4-format.md §2.3's table). A tie goes to the even mantissa: it steps up
+    only past the midpoints whose upper neighbour is even (0.75 -> 1, 1.75 -> 2, 3.5 -> 4), hence >= there and >
+    elsewhere. Plain comparisons, so torch.compile fuses the rounding into the kernels around it.
     """
     codes = (
         (magnitude > 0.25).to(torch.uint8)
@@ -99,7 +99,8 @@ def round_to_e2m1_codes(magnitude: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Dequantise NVFP4 expert weights to BF16 (doc §2.1): W = e2m1(code) * (block_scale * global_scale).
+    """Dequantise NVFP4 expert weights to BF16 (docs/nvfp4-format.md §2.1): W = e2m1(code) * (block_scale *
+    global_scale).
 
     packed_codes uint8 [E, O, K/2] (element 2i in the low nibble), block_scales float8_e4m3fn [E, O, K/16],
     global_scale fp32 [E] -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
@@ -127,7 +128,8 @@ unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=Fals
 # ==== activation replay (faithful W4A4) ===============================================================================
 
 def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (doc §2.3), in their own dtype.
+    """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (docs/nvfp4-format.md §2.3), in their own
+    dtype.
 
     Static per-tensor `input_scale` (the layer's calibrated global scale), dynamic e4m3 scales per 16 values along K,
     E2M1 magnitudes rounded to nearest with ties to even. Operation order follows ModelOpt's Triton kernel
@@ -199,7 +201,8 @@ def _e2m1_times_block_scale(codes, block_scales_x2p14):
 
 @triton.jit
 def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """Activations [R, C] (fp32) rounded to NVFP4 as ModelOpt's W4A4 fake quant does (docs/nvfp4-format.md), BF16.
+    """Activations [R, C] (fp32) rounded to NVFP4 as ModelOpt's W4A4 fake quant does (docs/nvfp4-format.md §2.3),
+    returned in BF16.
 
     The same operations in the same order as `fake_quant_nvfp4_activations`: dynamic e4m3 scale per 16 values from
     the static input scale, E2M1 magnitudes rounded to nearest with ties to even.
@@ -434,7 +437,8 @@ class PackedNVFP4Experts(torch.nn.Module):
         self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
         self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
         self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
-        # The layer's shared activation scales (one input quantizer per projection type per layer, doc §3.2).
+        # The layer's shared activation scales (one input quantizer per projection type per layer,
+        # docs/nvfp4-format.md §3.2).
         self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
         self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
         self.stored = set()  # (expert, projection, field) received so far
@@ -477,8 +481,8 @@ class PackedNVFP4Experts(torch.nn.Module):
                 if (expert, partner, field) in self.stored and global_scale[expert] != value:
                     fail(
                         f"{value.item()} differs from the {partner} weight_scale_2 {global_scale[expert].item()} of "
-                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up (doc §3.2): "
-                        "re-export with nvidia-modelopt>=0.47"
+                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up "
+                        "(docs/nvfp4-format.md §3.2): re-export with nvidia-modelopt>=0.47"
                     )
                 global_scale[expert] = value
             elif not self.has_input_scales:
@@ -489,7 +493,7 @@ class PackedNVFP4Experts(torch.nn.Module):
                     fail(
                         f"input_scale {value.item()} differs from {self.first_input_scale_name[group]} = "
                         f"{input_scale.item()}; ModelOpt shares one input quantizer for gate and up of all experts of "
-                        "a layer and one for down (doc §3.2), so this export is broken: re-export it"
+                        "a layer and one for down (docs/nvfp4-format.md §3.2), so this export is broken: re-export it"
                     )
                 self.first_input_scale_name.setdefault(group, checkpoint_name)
                 input_scale.copy_(value)
@@ -583,7 +587,8 @@ class PackedNVFP4Experts(torch.nn.Module):
         if self.simulate_fp4_activations:
             hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
         gate_up_proj, down_proj = self.unpacked()
-        # The attributes transformers' grouped_mm experts function reads from a stock experts module (doc §8.3).
+        # The attributes transformers' grouped_mm experts function reads from a stock experts module
+        # (docs/nvfp4-format.md §8.3).
         stock_experts_view = types.SimpleNamespace(
             num_experts=self.num_experts,
             has_gate=True,
@@ -655,7 +660,8 @@ SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
 SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo of the CheckpointFormats
 WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
 
-# The two on-disk name layouts of the thinker's tensors (doc §3.4), as (hub layout, transformers-internal) prefixes.
+# The two on-disk name layouts of the thinker's tensors (docs/nvfp4-format.md §3.4), as (hub layout,
+# transformers-internal) prefixes.
 THINKER_NAME_LAYOUTS = (
     ("model.layers.", "model.language_model.layers."),
     ("model.embed_tokens.", "model.language_model.embed_tokens."),
@@ -663,7 +669,7 @@ THINKER_NAME_LAYOUTS = (
     ("visual.", "model.visual."),
     ("audio_tower.", "model.audio_tower."),
 )
-# One tensor of one expert as every export writes it (per expert, per projection; doc §3.1).
+# One tensor of one expert as every export writes it (per expert, per projection; docs/nvfp4-format.md §3.1).
 EXPERT_TENSOR = re.compile(
     r"(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)"
     r"\.(?P<field>weight|weight_scale|weight_scale_2|input_scale)"
@@ -787,7 +793,7 @@ def build_backbone(config: transformers.PretrainedConfig, device: torch.device, 
     text_config = config.thinker_config.text_config
     for sub_config in (config, config.thinker_config, text_config):
         if "quantization_config" in sub_config.__dict__:
-            del sub_config.quantization_config  # transformers has no "modelopt" quantizer (doc §8.5)
+            del sub_config.quantization_config  # transformers has no "modelopt" quantizer (docs/nvfp4-format.md §8.5)
     expert_width = text_config.moe_intermediate_size
     if zero_width_experts:
         # Packed modules replace every experts module right after: build them zero-wide so the BF16 experts
@@ -805,7 +811,8 @@ def experts_modules(thinker: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def thinker_tensor_name(checkpoint_name: str, live_names: set[str], experts_names: set[str]) -> str | None:
-    """The live thinker name of a checkpoint tensor in either layout (doc §3.4), or None when nothing matches."""
+    """The live thinker name of a checkpoint tensor in either layout (docs/nvfp4-format.md §3.4), or None when nothing
+    matches."""
     name = checkpoint_name.removeprefix("thinker.")
     candidates = [name]
     for hub_prefix, internal_prefix in THINKER_NAME_LAYOUTS:
@@ -908,7 +915,8 @@ def load_thinker_weights(
 def store_bf16_expert(
     experts: torch.nn.Module, expert: int, projection: str, field: str, weight: torch.Tensor, checkpoint_name: str
 ) -> None:
-    """Copy one per-expert BF16 matrix into transformers' fused [E, 2I, H] / [E, H, I] parameters (doc §3.1)."""
+    """Copy one per-expert BF16 matrix into transformers' fused [E, 2I, H] / [E, H, I] parameters
+    (docs/nvfp4-format.md §3.1)."""
     expert_width = experts.gate_up_proj.shape[1] // 2
     if projection == "down_proj":
         target = experts.down_proj[expert]  # [H, I]
@@ -925,7 +933,8 @@ def store_bf16_expert(
 
 
 def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (doc §2.2), given its weight_scale_2.
+    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
+    weight_scale_2.
 
     Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
     """
@@ -949,7 +958,8 @@ def quantize_experts_to_nvfp4(
     weight_scale, weight_scale_2 and input_scale as ModelOpt writes them, everything else passes through.
 
     Gate and up of one expert share one weight_scale_2 computed from both (ModelOpt calibrates the fused gate_up
-    tensor, doc §3.2), so a gate waits here for its up (and the other way round); nothing else is held back.
+    tensor, docs/nvfp4-format.md §3.2), so a gate waits here for its up (and the other way round); nothing else is held
+    back.
     """
     waiting_for_partner = {}  # "<experts>.<E>" -> {projection: BF16 weight}
     for name, tensor in tensors:
@@ -979,7 +989,7 @@ def quantize_experts_to_nvfp4(
 
 def write_modelopt_metadata(checkpoint_dir: Path) -> None:
     """hf_quant_config.json and config.json's quantization_config of an NVFP4 (W4A4) export, as ModelOpt's exporter
-    writes them for the thinker experts (doc §1)."""
+    writes them for the thinker experts (docs/nvfp4-format.md §1)."""
     exclude_modules = [
         "thinker.audio_tower*",
         "thinker.lm_head",
@@ -1272,7 +1282,7 @@ def graph_text_decoder(thinker: torch.nn.Module) -> GraphedTextDecoder:
 
 
 # ==== decisions =======================================================================================================
-# A request is checked field by field (systemone-api.md §2) before anything is decoded; then its media are decoded and
+# A request is checked field by field (docs/api.md §2) before anything is decoded; then its media are decoded and
 # measured; then the release's own `systemone()` scores it. Decisions run one at a time, on one thread (the server's
 # scoring thread): the device does one decision at a time, and the fast tokenizer is not thread safe.
 
@@ -1514,7 +1524,7 @@ def _check_video(data: bytes, loc: tuple) -> None:
 
 
 def decode_media(record: dict, schema: types.ModuleType) -> dict:
-    """The record with its media decoded and measured against the limits of systemone-api.md §2.4.
+    """The record with its media decoded and measured against the limits of docs/api.md §2.4.
 
     Every size is checked before any medium is decoded. Images become PIL images and audio clips 16 kHz samples,
     which systemone takes as they are; videos stay bytes, checked here, because systemone reads their soundtrack
@@ -1643,7 +1653,7 @@ def decide(
 
 # ==== HTTP ============================================================================================================
 # FastAPI app over `decide`: the port opens at once and the model loads on the scoring thread; until it is ready the
-# decision and health endpoints answer 503. Every error body has the shapes of systemone-api.md §6.1.
+# decision and health endpoints answer 503. Every error body has the shapes of docs/api.md §6.1.
 
 MAX_BODY_BYTES = 13 * MiB
 RETRY_AFTER_S = 10

@@ -13,17 +13,17 @@ can be held against ModelOpt's own numerics. On a tiny synthetic release (synthe
 3. the reference, built on the exported files without serve_clef's code: the BF16 release in transformers with eager
    experts, wrapped in ClefModel as calib/quantize.py loads it for calibration, every experts module's `gate_up_proj`
    [E, 2I, H] and `down_proj` [E, H, I] overwritten with the export's weights dequantised here
-   (docs/nvfp4-checkpoints.md §2.1, "doc" below). For W4A4, every expert input is also rounded by ModelOpt's own
+   (docs/nvfp4-format.md §2.1, "doc" below). For W4A4, every expert input is also rounded by ModelOpt's own
    kernel (`fp4_fake_quant_block`, with the layer's exported `input_scale`) inside transformers' eager loop, the
-   F.linear interception of doc §8.4; W4A16 runs the stock loop.
+   F.linear interception of docs/nvfp4-format.md §8.4; W4A16 runs the stock loop.
 
 Only "served vs export reference" gates (PASS/FAIL). "Served vs ModelOpt in memory" is printed for information: it
 also contains what ModelOpt's in-memory quantizers and its exporter compute differently, which no server reading the
-files can undo: the exporter's gate/up re-rounding (doc §3.2: gate and up of an expert get one shared weight_scale_2,
-and the half that did not own the max takes one more E4M3 rounding of its block scales), and the in-memory weights
-coming from the Triton kernel (its division, below) where the exporter quantizes in torch. "Export reference vs
-ModelOpt in memory" shows these alone, with the fraction of differing weights per projection: the re-rounding can
-touch gate or up, never down.
+files can undo: the exporter's gate/up re-rounding (docs/nvfp4-format.md §3.2: gate and up of an expert get one
+shared weight_scale_2, and the half that did not own the max takes one more E4M3 rounding of its block scales), and
+the in-memory weights coming from the Triton kernel (its division, below) where the exporter quantizes in torch.
+"Export reference vs ModelOpt in memory" shows these alone, with the fraction of differing weights per projection:
+the re-rounding can touch gate or up, never down.
 
 Tolerance (TOLERANCE below, on max |delta p| and max TV). Served and reference run bitwise the same expert weights
 (the |dW| column of the gating rows is 0 unless serve_clef's unpack is wrong) on the same non-expert BF16 weights.
@@ -147,7 +147,8 @@ def weight_differences(weights: dict, reference_weights: dict) -> dict:
 
 
 def dequantise(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """Doc §2.1 for one exported projection: uint8 [O, K/2], float8_e4m3fn [O, K/16], fp32 () -> BF16 [O, K]."""
+    """docs/nvfp4-format.md §2.1 for one exported projection: uint8 [O, K/2], float8_e4m3fn [O, K/16], fp32 () -> BF16
+    [O, K]."""
     codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).flatten(-2)  # [O, K], element 2i low nibble
     values = torch.tensor(E2M1_VALUES)[codes.long()]  # [O, K]
     per_block = block_scales.float() * global_scale.float().reshape(())  # [O, K/16]

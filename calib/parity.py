@@ -14,7 +14,7 @@
 #   "requests",
 # ]
 # ///
-"""Parity of two Clef-Omni checkpoints on the held-out records (docs/nvfp4-checkpoints.md §6).
+"""Parity of two Clef-Omni checkpoints on the held-out records (docs/nvfp4-format.md §6).
 
     python calib/parity.py REFERENCE CANDIDATE [--records 128] [--simulate-fp4-activations] [--out parity.json]
 

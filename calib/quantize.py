@@ -19,7 +19,7 @@
 
     python calib/quantize.py RELEASE_DIR OUT_DIR [--records 512] [--weights-only] [--device cuda] [--resume]
 
-The recipe of docs/nvfp4-checkpoints.md §4: ModelOpt's NVFP4_EXPERTS_ONLY_CFG with the audio tower, vision tower,
+The recipe of docs/nvfp4-format.md §4: ModelOpt's NVFP4_EXPERTS_ONLY_CFG with the audio tower, vision tower,
 talker, code2wav, LM head, routers and embeddings kept in BF16; calibration runs Clef's own scoring path
 (`encode_record` -> `collate_records` -> `ClefModel`) over the calibration records of calib/records.py; the export is
 ModelOpt's `export_hf_checkpoint`, then the release's non-weight files (joint head, tokenizer, processor, ...) are
@@ -53,12 +53,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a script (`python calib/quantize.py
 from calib.records import calibration_records
 
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
-# audio tower, the talker or code2wav (doc §4.2). The joint head is never handed to ModelOpt at all.
+# audio tower, the talker or code2wav (docs/nvfp4-format.md §4.2). The joint head is never handed to ModelOpt at all.
 KEEP_BF16 = ("*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*")
 # Release files the exporter writes itself (config.json, generation_config.json) or replaces (the BF16 weights).
 NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|config\.json|"
                         r"generation_config\.json|hf_quant_config\.json|SHA256SUMS)$")
-# Expert tensors of the thinker's text decoder in either naming layout (doc §3.4).
+# Expert tensors of the thinker's text decoder in either naming layout (docs/nvfp4-format.md §3.4).
 EXPERT_TENSOR = re.compile(r"^(?:thinker\.)?model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
 PER_EXPERT_TENSOR = re.compile(
     r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
@@ -82,7 +82,8 @@ def load_for_calibration(release_dir: Path, device: str):
     config = AutoConfig.from_pretrained(release_dir)
     config.enable_audio_output = False  # the talker and code2wav are not part of Clef
     # ModelOpt 0.47 intercepts F.linear of the eager per-expert loop; under grouped_mm calibration would see nothing
-    # and it only switches the top config and its text_config, not thinker_config.text_config (doc §8.4).
+    # and it only switches the top config and its text_config, not thinker_config.text_config
+    # (docs/nvfp4-format.md §8.4).
     backbone, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         release_dir, config=config, dtype=torch.bfloat16, device_map={"": device}, experts_implementation="eager",
         output_loading_info=True,
@@ -309,7 +310,8 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
                     handle, key = found[layer, expert, projection, "input_scale"]
                     input_scale = handle.get_tensor(key)
                     _check_scalar(input_scale, key)
-                    # One input quantizer per projection type per layer (doc §3.2): gate and up share theirs.
+                    # One input quantizer per projection type per layer (docs/nvfp4-format.md §3.2): gate and up share
+                    # theirs.
                     shared_key = (layer, "down" if projection == "down_proj" else "gate_up")
                     shared = input_scales.setdefault(shared_key, float(input_scale))
                     if float(input_scale) != shared:

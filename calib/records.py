@@ -1,6 +1,6 @@
 """Deterministic, offline Clef records for calibration and held-out evaluation.
 
-The published recipe (docs/nvfp4-checkpoints.md §5) builds its records from ultrachat_200k. Nothing can be downloaded
+The published recipe (docs/nvfp4-format.md §5) builds its records from ultrachat_200k. Nothing can be downloaded
 here, so the conversations come from a built-in word list and sentence templates instead; everything else follows
 §5: `state.task` / `state.observation` cut to 1,200 / 2,400 characters, 30% of states with a `history`, 1 to 3
 questions per record (choice with 2 to 5 of 8 verbs, noul, score with 3 to 5 levels), media drawn from one uniform

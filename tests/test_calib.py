@@ -1,6 +1,6 @@
 """calib/: records, calib/quantize.py on the tiny synthetic release, its export checks, and calib/parity.py.
 
-References are independent of the code under test: the recipe numbers of docs/nvfp4-checkpoints.md §5 written out
+References are independent of the code under test: the recipe numbers of docs/nvfp4-format.md §5 written out
 here, the BF16 release's own weights against the §2.1 dequantisation formula, hashlib, and plain-Python statistics.
 """
 
@@ -27,7 +27,7 @@ import serve_clef
 from calib import parity, quantize
 from calib.records import CHOICE_VERBS, calibration_records, evaluation_records
 
-E2M1_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # doc §2, codes 0..15
+E2M1_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # docs/nvfp4-format.md §2, codes 0..15
 
 
 def _state_text(record: dict) -> str:
@@ -114,7 +114,8 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _dequantize(packed_codes, block_scales, global_scale) -> torch.Tensor:
-    """Doc §2.1 written out: low nibble = element 2i, E2M1 table, per-block scale times global scale, fp32."""
+    """docs/nvfp4-format.md §2.1 written out: low nibble = element 2i, E2M1 table, per-block scale times global scale,
+    fp32."""
     codes = torch.empty(packed_codes.shape[0], 2 * packed_codes.shape[1], dtype=torch.long)
     codes[:, 0::2], codes[:, 1::2] = (packed_codes & 0x0F).long(), (packed_codes >> 4).long()
     per_block = block_scales.float() * global_scale.float()

@@ -28,7 +28,7 @@ def data_url(mime, data):
 
 
 def check_answers(response, questions):
-    """Answer shapes of clef-decision-spec.md §10, checked against the request, not against the code."""
+    """Answer shapes of docs/decision-api.md §10, checked against the request, not against the code."""
     assert list(response) == ["model", "answers", "usage"]
     assert list(response["answers"]) == list(questions)
     for question_id, question in questions.items():

@@ -1,7 +1,7 @@
 """serve_clef's decision and HTTP side, against a real uvicorn server serving `--model synthetic`.
 
 Answers are checked against expectations computed here, independently of the server: answer shapes and key order
-from systemone-api.md §3, probabilities that sum to 1, the choice as the first argmax in request order, the score as
+from docs/api.md §3, probabilities that sum to 1, the choice as the first argmax in request order, the score as
 Σ i·p_i of the returned probabilities, and usage.input_tokens as the length `joint_schema_model.encode_record` gives
 for the same request. Every refusal of §6 is checked for its status, its phrase and its body shape, and the server is
 asked a good question after each one.
@@ -114,7 +114,7 @@ def post(base_url: str, body, headers: dict | None = None) -> requests.Response:
 
 
 def check_answers(request: dict, response: dict, processor, max_length: int = MAX_LENGTH) -> None:
-    """The response of systemone-api.md §3 for `request`, recomputed from the returned probabilities."""
+    """The response of docs/api.md §3 for `request`, recomputed from the returned probabilities."""
     assert list(response) == ["model", "answers", "usage"]
     assert response["model"] == request["model"]
     assert list(response["answers"]) == list(request["questions"])

@@ -1,5 +1,5 @@
 """The joint schema head: parameter names, shapes and counts from the spec, and the forward against an independent
-float64 computation of the spec's formulas (clef-decision-spec.md §7-§8)."""
+float64 computation of the spec's formulas (docs/decision-api.md §7-§8)."""
 
 import math
 
@@ -137,7 +137,7 @@ def linear(x, p, name, bias=True):
 
 
 def reference_logits(p, config, hidden, input_ids, record, lm_head):
-    """Logits of one unpadded record, straight from clef-decision-spec.md §8.2, in float64."""
+    """Logits of one unpadded record, straight from docs/decision-api.md §7-§8, in float64."""
     W, heads = config["width"], config["heads"]
     seq = layer_norm(hidden, p, "hidden_norm")  # [T,H]
     memory = linear(seq, p, "memory_projection", bias=False)  # [T,W]

@@ -47,7 +47,8 @@ REQUEST = {
 
 def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
     """Quantize the release's thinker experts with ModelOpt (NVFP4_EXPERTS_ONLY_CFG, max calibration) on CPU and
-    export it with export_hf_checkpoint, then copy the Clef files beside it, as the recipe of doc §4.1 does."""
+    export it with export_hf_checkpoint, then copy the Clef files beside it, as the recipe of docs/nvfp4-format.md §4.1
+    does."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
@@ -69,7 +70,8 @@ def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
             model.thinker(input_ids=input_ids, use_cache=False)
 
     mtq.quantize(backbone, quant_config, calibrate)
-    # Qwen3OmniMoeForConditionalGeneration has no usable forward; the exporter runs one (doc §4.1 step 5).
+    # Qwen3OmniMoeForConditionalGeneration has no usable forward; the exporter runs one
+    # (docs/nvfp4-format.md §4.1, step 5).
     backbone.forward = types.MethodType(
         lambda self, input_ids=None, **kwargs: self.thinker(input_ids=input_ids, use_cache=False), backbone
     )

@@ -1,6 +1,6 @@
 """NVFP4 numerics of serve_clef: unpack, quantizer, activation replay and the packed experts forward.
 
-Every reference is independent of serve_clef: the formulas of docs nvfp4-checkpoints.md §2 written out here,
+Every reference is independent of serve_clef: the formulas of docs/nvfp4-format.md §2 written out here,
 ModelOpt's own NVFP4 quantizer, and transformers' own eager experts module.
 Dimension letters: E experts, O output rows, K input columns, T tokens, H hidden, I expert width.
 """
@@ -12,7 +12,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 import serve_clef
 
-E2M1_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # doc §2, codes 0..15
+E2M1_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]  # docs/nvfp4-format.md §2, codes 0..15
 
 
 def e4m3_scale_bytes(shape, generator) -> torch.Tensor:
@@ -22,7 +22,8 @@ def e4m3_scale_bytes(shape, generator) -> torch.Tensor:
 
 
 def reference_dequantize(packed_codes, block_scales, global_scale) -> torch.Tensor:
-    """Doc §2.1 as written: low nibble = element 2i, table lookup, per_block = scale * scale_2 in fp32, then BF16."""
+    """docs/nvfp4-format.md §2.1 as written: low nibble = element 2i, table lookup, per_block = scale * scale_2 in
+    fp32, then BF16."""
     num_experts, rows, half_columns = packed_codes.shape
     codes = torch.empty(num_experts, rows, 2 * half_columns, dtype=torch.long)
     codes[..., 0::2] = (packed_codes & 0x0F).long()
@@ -65,7 +66,8 @@ def test_quantizer_equals_modelopt_codes_and_scale_bytes():
 
 
 def reference_fake_quant(x: torch.Tensor, input_scale: float) -> torch.Tensor:
-    """Doc §2.3 step by step, one fp32 scalar at a time, with the rounding table of §2.3 as thresholds."""
+    """docs/nvfp4-format.md §2.3 step by step, one fp32 scalar at a time, with the rounding table of §2.3 as
+    thresholds."""
 
     def f32(value) -> torch.Tensor:
         return torch.tensor(value, dtype=torch.float32)
@@ -104,7 +106,7 @@ def test_activation_rounding_at_the_e2m1_boundaries():
     # input_scale 2**-4 and block amax 6 * 2**-2 make the block scale exactly 2**-2 (ratio 4 is exact in e4m3)
     input_scale, block_scale = 2.0**-4, 2.0**-2
     boundaries = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    rounded_at = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # ties to even (doc §2.3 table)
+    rounded_at = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # ties to even (docs/nvfp4-format.md §2.3 table)
     below = torch.nextafter(boundaries * block_scale, torch.tensor(0.0))
     above = torch.nextafter(boundaries * block_scale, torch.tensor(torch.inf))
     rounded_below = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
@@ -209,7 +211,8 @@ def test_simulated_fp4_activations_quantize_both_expert_inputs():
         packed.down_packed_codes, packed.down_block_scales, packed.down_global_scale
     ).float()
     hidden_states, top_k_index, top_k_weights = routed_tokens(text_config)
-    # W4A4 per doc §2.3, one token and one routed expert at a time, fp32 math on BF16-rounded activations
+    # W4A4 per docs/nvfp4-format.md §2.3, one token and one routed expert at a time, fp32 math on BF16-rounded
+    # activations
     expected = torch.zeros(hidden_states.shape)
     quantized_hidden = reference_fake_quant(hidden_states, float(packed.gate_up_input_scale)).bfloat16().float()
     for token in range(hidden_states.shape[0]):

@@ -1,4 +1,4 @@
-"""The exact Clef prompt and token layout (clef-decision-spec.md §3-§4), written out by hand: every expected string
+"""The exact Clef prompt and token layout (docs/decision-api.md §3-§4), written out by hand: every expected string
 below is typed from the spec, not produced by joint_schema_model."""
 
 import pytest
