@@ -374,14 +374,12 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
 
 @dataclass(frozen=True)
 class ExpertTiles:
-    """Tile sizes of the packed-expert kernels: rows (pairs) per tile, then output columns and reduced columns per
-    step for gate_up and for down, and Triton's warps and pipeline stages."""
+    """Tile sizes of both packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
+    per step, and Triton's warps and pipeline stages (the tile sweep gave both kernels the same sizes)."""
 
     rows: int
-    gate_up_columns: int
-    gate_up_reduced: int
-    down_columns: int
-    down_reduced: int
+    columns: int
+    reduced: int
     num_warps: int
     num_stages: int
 
@@ -390,10 +388,10 @@ class ExpertTiles:
 # tile is padding. The fastest of 28 candidates per token count on an H200 (bench/check_expert_kernels.py,
 # docs/benchmarks.md).
 EXPERT_TILES = (
-    (8, ExpertTiles(16, 64, 128, 64, 128, 4, 3)),
-    (24, ExpertTiles(32, 128, 64, 128, 64, 4, 3)),
-    (192, ExpertTiles(64, 64, 128, 64, 128, 4, 3)),
-    (None, ExpertTiles(128, 128, 64, 128, 64, 8, 3)),
+    (8, ExpertTiles(16, 64, 128, 4, 3)),
+    (24, ExpertTiles(32, 128, 64, 4, 3)),
+    (192, ExpertTiles(64, 64, 128, 4, 3)),
+    (None, ExpertTiles(128, 128, 64, 8, 3)),
 )
 
 
@@ -552,22 +550,22 @@ class PackedNVFP4Experts(torch.nn.Module):
         )
         if self.simulate_fp4_activations:
             hidden_states = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale)
-        gate_up_columns = fitted_block(tiles.gate_up_columns, self.width)
+        gate_up_columns = fitted_block(tiles.columns, self.width)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
             hidden_states.contiguous(), slot_pairs, tile_experts,
             self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
             self.down_input_scale, 0, intermediate, self.num_experts, self.hidden, self.width, top_k,
             SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
-            BLOCK_C=fitted_block(tiles.gate_up_reduced, self.hidden), **common,
+            BLOCK_C=fitted_block(tiles.reduced, self.hidden), **common,
         )
-        down_columns = fitted_block(tiles.down_columns, self.hidden)
+        down_columns = fitted_block(tiles.columns, self.hidden)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
         nvfp4_down_kernel[(num_tiles, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_packed_codes, self.down_block_scales.view(torch.uint8), self.down_global_scale,
             pair_outputs, self.num_experts, self.hidden, self.width,
-            BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.down_reduced, self.width), **common,
+            BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.reduced, self.width), **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 

@@ -35,7 +35,7 @@ import serve_clef  # noqa: E402
 
 TOKEN_COUNTS = (1, 64, 256, 512, 1024, 2048, 4096, 8192)
 CANDIDATE_TILES = [
-    serve_clef.ExpertTiles(rows, columns, reduced, columns, reduced, warps, stages)
+    serve_clef.ExpertTiles(rows, columns, reduced, warps, stages)
     for rows in (16, 32, 64, 128)
     for columns, reduced in ((64, 128), (128, 64), (64, 256), (128, 128))
     for warps, stages in ((4, 3), (8, 3))
