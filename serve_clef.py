@@ -39,6 +39,7 @@ import http
 import importlib.util
 import io
 import json
+import math
 import os
 import queue
 import re
@@ -1424,7 +1425,7 @@ def validate_request(request: Any) -> tuple[dict, bool]:
     media items become (content type, base64 text) pairs for `decode_media`.
     """
     if not isinstance(request, dict):
-        raise RequestError(400, ("body",), f"the body must be a JSON object, not {json_type(request)}", "invalid_body")
+        raise RequestError(422, ("body",), f"the body must be a JSON object, not {json_type(request)}", "dict_type")
     for name in ("model", "state", "questions"):
         if name not in request:
             raise _invalid((name,), f"{name} is required", "missing")
@@ -1643,6 +1644,9 @@ def decide(
     ):
         probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
         answers[question_id] = loaded.schema.systemone_answer(question, probabilities)
+        if "legend" in answers[question_id]:  # the SystemOne clients refuse null legend values: a level's own index
+            legend = answers[question_id]["legend"]
+            answers[question_id]["legend"] = {level: level if text is None else text for level, text in legend.items()}
     stage_done("answer")
     usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0,
              "latency_ms": round((time.perf_counter() - started) * 1000, 1)}
@@ -1767,7 +1771,7 @@ class ClefService:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.args.api_key.encode()):
             raise RequestError(401, ("header", "authorization"), "a valid API key is required: send "
-                               "Authorization: Bearer <key>", "unauthorized")
+                               "Authorization: Bearer <key>", "authentication_error")
 
 
 async def read_json_body(request: Request) -> Any:
@@ -1790,9 +1794,39 @@ async def read_json_body(request: Request) -> Any:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        return json.loads(body, parse_constant=refuse_constant)
+        parsed = json.loads(body, parse_constant=refuse_constant)
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RequestError(400, ("body",), f"the body is not valid JSON: {error}", "invalid_json") from None
+        # FastAPI's shape for a body that does not parse: 422, json_invalid, located at the character where it broke
+        position = getattr(error, "pos", getattr(error, "start", None))
+        loc = ("body",) if position is None else ("body", position)
+        raise RequestError(422, loc, f"the body is not valid JSON: {error}", "json_invalid") from None
+    refuse_unrepresentable_values(parsed, ("body",))
+    return parsed
+
+
+def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
+    """400 for a value JSON parses but nothing downstream can represent: a number that overflowed to infinity (1e999)
+    or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys included; the message names the field,
+    its own surrogates written as escapes."""
+
+    def refuse(problem: str) -> None:
+        path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
+        raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
+
+    if isinstance(value, float) and not math.isfinite(value):
+        refuse("a number too large for a 64-bit float")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            refuse("text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the character")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            refuse_unrepresentable_values(key, (*loc, key))
+            refuse_unrepresentable_values(item, (*loc, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            refuse_unrepresentable_values(item, (*loc, index))
 
 
 def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:

@@ -138,7 +138,9 @@ def check_answers(request: dict, response: dict, processor, max_length: int = MA
             levels = [str(level) for level in range(len(question["criteria"]))]
             assert list(answer) == ["type", "score", "confidence", "legend", "probabilities"]
             assert list(probabilities) == levels
-            assert answer["legend"] == dict(zip(levels, question["criteria"]))
+            # the SystemOne clients refuse null legend values: a level without a description is named by its index
+            assert answer["legend"] == {level: level if text is None else text
+                                        for level, text in zip(levels, question["criteria"])}
             expected_score = sum(level * probabilities[str(level)] for level in range(len(levels)))
             # each returned p is off by at most 5e-5 (rounding), so Σ i·p by at most 5e-5·Σ i, plus its own rounding
             assert abs(answer["score"] - expected_score) <= 5e-5 * (sum(range(len(levels))) + 1)
@@ -360,19 +362,54 @@ def test_media_limits_measured_on_the_decoded_media(server, png_bytes, wav_bytes
 
 
 @pytest.mark.parametrize(
-    "body, phrase",
+    "body, phrase, loc",
     [
-        (b'{"model": "m", "state": ', "not valid JSON"),
-        (b"\xff\xfe not utf-8", "not valid JSON"),
-        (b'{"model": "m", "state": NaN, "questions": {}}', "not valid JSON"),
-        (b"[" * 100_000, "not valid JSON"),
-        (b'["model", "state"]', "must be a JSON object"),
-        (b'"just a string"', "must be a JSON object"),
+        (b'{"model": "m", "state": ', "not valid JSON", ["body", 24]),
+        (b"\xff\xfe not utf-8", "not valid JSON", ["body", 0]),
+        (b'{"model": "m", "state": NaN, "questions": {}}', "not valid JSON", ["body"]),
+        (b"[" * 100_000, "not valid JSON", ["body"]),
     ],
 )
-def test_bodies_that_are_not_json_objects_get_400(server, body, phrase):
-    check_error_body(post(server, body, {"Content-Type": "application/json"}), 400, phrase)
+def test_bodies_that_do_not_parse_get_422_json_invalid(server, body, phrase, loc):
+    response_body = check_error_body(post(server, body, {"Content-Type": "application/json"}), 422, phrase)
+    assert response_body["detail"][0]["type"] == "json_invalid" and response_body["detail"][0]["loc"] == loc
     assert post(server, GOOD_REQUEST).status_code == 200
+
+
+@pytest.mark.parametrize("body", [b'["model", "state"]', b'"just a string"'])
+def test_bodies_that_are_not_json_objects_get_422(server, body):
+    check_error_body(post(server, body, {"Content-Type": "application/json"}), 422, "must be a JSON object")
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (b'{"model": "m", "state": {"amount": 1e999}, "questions": {"ok": {"type": "noul"}}}', "state.amount"),
+        (b'{"model": "m", "state": "a \\ud800 b", "questions": {"ok": {"type": "noul"}}}', "state"),
+        (b'{"model": "\\udfff", "state": "s", "questions": {"ok": {"type": "noul"}}}', "model"),
+        (b'{"model": "m", "state": "s", "questions": {"q\\ud800": {"type": "noul"}}}', "questions.q\\ud800"),
+        (b'{"model": "m", "state": "s", "questions": {"ok": {"type": "score", "criteria": ["a", -1e400]}}}',
+         "questions.ok.criteria.1"),
+    ],
+)
+def test_numbers_that_overflow_and_lone_surrogates_get_400_naming_the_field(server, body, field):
+    response = post(server, body, {"Content-Type": "application/json"})
+    response_body = check_error_body(response, 400, "")
+    assert response_body["detail"]["error_type"] == "invalid_json"
+    assert response_body["detail"]["message"].startswith(field + ": ")
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_paired_surrogates_and_null_levels_are_answered(server, processor):
+    request = {**GOOD_REQUEST, "state": "a smile \U0001F600 in the ticket",
+               "questions": {"mood": {"type": "score", "criteria": ["sad", None, "happy"]}}}
+    body = json.dumps(request).encode()  # ensure_ascii: the emoji travels as a surrogate pair escape
+    assert b"\\ud83d\\ude00" in body
+    response = post(server, body, {"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json()["answers"]["mood"]["legend"] == {"0": "sad", "1": "1", "2": "happy"}
+    check_answers(request, response.json(), processor)
 
 
 def test_non_json_content_type_gets_415(server):
@@ -410,7 +447,8 @@ def test_schema_that_does_not_fit_gets_413_whatever_truncate_says(server):
 def test_api_key_is_required(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = requests.post(f"{server}/v1/systemone", json=GOOD_REQUEST, headers=headers, timeout=TIMEOUT_S)
-        check_error_body(response, 401, "API key")
+        body = check_error_body(response, 401, "API key")
+        assert body["detail"]["error_type"] == body["error"]["type"] == "authentication_error"
         assert response.headers["WWW-Authenticate"] == "Bearer"
     assert requests.get(f"{server}/v1/models", timeout=TIMEOUT_S).status_code == 401
     assert requests.get(f"{server}/healthz", timeout=TIMEOUT_S).status_code == 200  # probes need no key
