@@ -681,14 +681,19 @@ def is_talker_tensor(name: str) -> bool:
 
 
 def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
-    if Path(model_id).is_dir():
-        return Path(model_id)
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        return path
+    if model_id.startswith(("/", "./", "../", "~")) or path.exists():  # meant as a local path, not a hub id
+        problem = "is a file, not a model directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"--model {model_id}: {problem}; pass the directory that holds config.json and the "
+                              "safetensors shards")
     try:
         return Path(huggingface_hub.snapshot_download(model_id, revision=revision))
     except Exception as error:
         raise CheckpointError(
             f"--model {model_id}: not a local directory and the hub download failed ({type(error).__name__}); "
-            f"download it where the hub is reachable (huggingface-cli download {model_id} --local-dir DIR) and "
+            f"download it where the hub is reachable (hf download {model_id} --local-dir DIR) and "
             "pass --model DIR"
         ) from error
 
@@ -1027,6 +1032,12 @@ def synthetic_checkpoint(model_id: str, device: torch.device, progress: Callable
         checkpoint_dir = synthetic_release.write_release(out_dir / "nvfp4", "full", weights=False)
         write_modelopt_metadata(checkpoint_dir)
         config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
+        text_config = config.thinker_config.text_config
+        expert_parameters = (text_config.num_hidden_layers * text_config.num_experts * 3 * text_config.hidden_size
+                             * text_config.moe_intermediate_size)
+        if device.type != "cuda" and expert_parameters > 1e9:  # refused before a single weight is generated
+            raise CheckpointError(f"--model synthetic:full generates {expert_parameters / 1e9:.0f} B expert parameters "
+                                  "in GPU memory and needs a CUDA GPU; on CPU use --model synthetic (the tiny one)")
         bf16_tensors = synthetic_release.release_tensors(config, device=device)
         tensors = quantize_experts_to_nvfp4(bf16_tensors, SYNTHETIC_INPUT_SCALE)
         return checkpoint_dir, tensors
@@ -1069,6 +1080,9 @@ def load_clef(
     """
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"--device {device}: this machine has no CUDA GPU that torch can use (torch "
+                              f"{torch.__version__}); run with --device cpu, or install a CUDA build of torch")
     notice, tensors = None, None
     if model in SYNTHETIC_MODELS:
         notice = SYNTHETIC_NOTICE

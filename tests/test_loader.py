@@ -308,7 +308,33 @@ def test_model_directory_with_its_own_joint_schema_model_is_served_through_it(nv
 def test_hub_id_that_cannot_be_downloaded_fails_with_one_clear_line():
     with pytest.raises(serve_clef.CheckpointError, match="--model DIR") as failure:
         load("nobody/no-such-clef-model")
-    assert "\n" not in str(failure.value)
+    assert "\n" not in str(failure.value) and "hf download nobody/no-such-clef-model" in str(failure.value)
+
+
+@pytest.mark.parametrize("local_path", ["./no/such/dir", "~/no-such-model", "/nowhere/clef"])
+def test_missing_local_directory_is_named_not_sent_to_the_hub(local_path):
+    with pytest.raises(serve_clef.CheckpointError, match=f"--model {local_path}: does not exist") as failure:
+        load(local_path)
+    assert "hub" not in str(failure.value)
+
+
+def test_a_file_given_as_model_is_refused(nvfp4_export):
+    with pytest.raises(serve_clef.CheckpointError, match="is a file, not a model directory"):
+        load(nvfp4_export / "config.json")
+
+
+def test_device_without_a_gpu_and_synthetic_full_on_cpu_fail_before_loading(monkeypatch):
+    import synthetic_release
+
+    def generate(*args, **kwargs):
+        raise AssertionError("no weight may be generated before the refusal")
+
+    monkeypatch.setattr(synthetic_release, "release_tensors", generate)
+    with pytest.raises(serve_clef.CheckpointError, match="generates 29 B expert parameters in GPU memory and needs a"):
+        load("synthetic:full")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(serve_clef.CheckpointError, match="--device cuda: this machine has no CUDA GPU"):
+        serve_clef.load_clef("synthetic", device="cuda", progress=lambda line: None)
 
 
 def test_synthetic_full_streams_the_same_weights_into_the_packed_store(monkeypatch):
