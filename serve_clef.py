@@ -1868,12 +1868,20 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         error_type = http.HTTPStatus(error.status_code).phrase.lower().replace(" ", "_")
-        return error_response(RequestError(error.status_code, ("body",), str(error.detail), error_type))
+        response = error_response(RequestError(error.status_code, ("body",), str(error.detail), error_type))
+        response.headers.update(error.headers or {})  # 405's Allow, for one
+        return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception) -> JSONResponse:
-        return error_response(RequestError(500, ("body",), f"internal error: {type(error).__name__}: {error}",
-                                           "internal_error"))
+        # A fault of the server: the details go to the console under the request id, the client gets the id only,
+        # and the connection is closed, since the handler that failed may have left it mid-stream.
+        request_id = getattr(request.state, "request_id", uuid.uuid4().hex[:16])
+        console(f"request {request_id}: internal error\n{traceback.format_exc()}")
+        response = error_response(RequestError(500, ("body",), f"internal error; the server's log has its details "
+                                               f"under request id {request_id}", "internal_error"))
+        response.headers.update({"Connection": "close", "X-Request-Id": request_id})
+        return response
 
     @app.middleware("http")
     async def observe_decisions(request: Request, call_next: Callable) -> Response:

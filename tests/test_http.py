@@ -456,7 +456,28 @@ def test_api_key_is_required(server):
 
 def test_unknown_paths_and_methods_use_the_error_shape(server):
     check_error_body(requests.get(f"{server}/v2/nothing", headers=AUTH, timeout=TIMEOUT_S), 404, "Not Found")
-    check_error_body(requests.get(f"{server}/v1/systemone", headers=AUTH, timeout=TIMEOUT_S), 405, "Method Not Allowed")
+    response = requests.get(f"{server}/v1/systemone", headers=AUTH, timeout=TIMEOUT_S)
+    check_error_body(response, 405, "Method Not Allowed")
+    assert response.headers["Allow"] == "POST"
+
+
+def test_a_fault_of_the_server_gets_a_500_with_an_id_not_its_internals(args, loaded, monkeypatch, capfd):
+    with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+
+        def broken_forward(batch):
+            raise RuntimeError("secret internal state 0xdeadbeef")
+
+        monkeypatch.setattr(loaded.model, "forward", broken_forward)
+        response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)
+        body = check_error_body(response, 500, "internal error")
+        monkeypatch.undo()
+        request_id = response.headers["X-Request-Id"]
+        assert "0xdeadbeef" not in response.text and request_id in body["error"]["message"]
+        assert response.headers["Connection"] == "close"
+        assert requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S).status_code == 200
+    logged = capfd.readouterr().err
+    assert f"request {request_id}: internal error" in logged and "0xdeadbeef" in logged
 
 
 # ---- models and health -----------------------------------------------------------------------------------------------
