@@ -1574,9 +1574,9 @@ def decode_media(record: dict, schema: types.ModuleType) -> dict:
 
 
 def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
-    """The record encoded once by the decision module's own encode_record, or a RequestError: 413 when it cannot fit
-    `max_length` tokens (truncate false: at all; truncate true: not even with its state cut), 422 for other refusals.
-    """
+    """(the record encoded by the decision module's own encode_record, how many state tokens were cut to fit), or a
+    RequestError: 413 when it cannot fit `max_length` tokens (truncate false: at all; truncate true: not even with
+    its state cut), 422 for other refusals. Only a record cut to fit is encoded a second time, to count the cut."""
     schema, processor = loaded.schema, loaded.processor
 
     def encode_within(limit: int):
@@ -1588,8 +1588,10 @@ def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
         refusal = error
     else:
         needed = len(encoded.input_ids)
-        if needed <= max_length:
-            return encoded
+        if needed < max_length:
+            return encoded, 0
+        if needed == max_length:  # encode_record cuts the state to exactly max_length: count what was cut
+            return encoded, (len(encode_within(sys.maxsize).input_ids) - max_length if truncate else 0)
         raise RequestError(413, ("body", "state"), f"maximum context length: the request needs {needed} tokens and "
                            f"truncate is false; maximum is {max_length}", "context_too_long")
     # encode_record refuses a record whose questions and media leave no room for the state; tell that apart from
@@ -1635,7 +1637,7 @@ def decide(
     record, truncate = validate_request(request)
     record = decode_media(record, loaded.schema)
     stage_done("decode")
-    encoded = encode(loaded, record, max_length, truncate)
+    encoded, state_tokens_dropped = encode(loaded, record, max_length, truncate)
     stage_done("encode")
     try:
         logits = score(loaded, encoded)
@@ -1662,8 +1664,10 @@ def decide(
             legend = answers[question_id]["legend"]
             answers[question_id]["legend"] = {level: level if text is None else text for level, text in legend.items()}
     stage_done("answer")
-    usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0,
-             "latency_ms": round((time.perf_counter() - started) * 1000, 1)}
+    usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0}
+    if state_tokens_dropped:  # the state was cut to fit the context (truncate: true, the default)
+        usage["state_tokens_dropped"] = state_tokens_dropped
+    usage["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
     return {"model": record["model"], "answers": answers, "usage": usage}
 
 
@@ -1923,7 +1927,10 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         service.metrics.batch_records.observe(1)  # one record per forward until the scheduler batches them
         server_timing = ", ".join(f"{stage};dur={timings[stage] * 1000:.1f}"
                                   for stage in ("queue", "decode", "encode", "forward", "answer"))
-        return JSONResponse(response, headers={"Server-Timing": server_timing})
+        headers = {"Server-Timing": server_timing}
+        if "state_tokens_dropped" in response["usage"]:
+            headers["X-State-Tokens-Dropped"] = str(response["usage"]["state_tokens_dropped"])
+        return JSONResponse(response, headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -1987,7 +1994,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
-    parser.add_argument("--demo", action="store_true", help="Answer one built-in request, print it, and exit.")
+    parser.add_argument("--demo", action="store_true",
+                        help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
     parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
     parser.add_argument(
         "--simulate-fp4-activations",
@@ -2056,6 +2064,8 @@ def answer_once(args: argparse.Namespace) -> int:
     try:
         validate_request(request)  # a malformed request is refused before the model is loaded for nothing
         loaded = load_from_args(args, progress=console)  # prints the synthetic notice, if any
+        if args.demo:  # the answer means little without the question: show it, on stderr so stdout stays JSON
+            console("the built-in request:\n" + json.dumps(request, indent=2, ensure_ascii=False))
         response = decide(loaded, request, args.max_length)
     except CheckpointError as error:
         console(f"serve_clef: {error}")

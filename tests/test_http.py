@@ -185,6 +185,12 @@ def test_long_state_is_truncated_to_the_context(server, processor):
     assert response.status_code == 200, response.text
     check_answers(request, response.json(), processor)
     assert response.json()["usage"]["input_tokens"] == MAX_LENGTH
+    # what was cut is said, counted against the record encoded without a limit
+    uncut = len(joint_schema_model.encode_record(processor.tokenizer, request, 10**9).input_ids)
+    assert response.json()["usage"]["state_tokens_dropped"] == uncut - MAX_LENGTH > 0
+    assert response.headers["X-State-Tokens-Dropped"] == str(uncut - MAX_LENGTH)
+    whole = post(server, GOOD_REQUEST)
+    assert "state_tokens_dropped" not in whole.json()["usage"] and "X-State-Tokens-Dropped" not in whole.headers
 
 
 def test_image_request(server, processor, png_bytes):
@@ -642,6 +648,8 @@ def test_demo_prints_one_answer_of_each_type(loaded, processor):
     check_answers(serve_clef.DEMO_REQUEST, response, processor, joint_schema_model.DEFAULT_MAX_LENGTH)
     assert sorted(answer["type"] for answer in response["answers"].values()) == ["choice", "noul", "score"]
     assert loaded.notice and loaded.notice in completed.stderr  # the synthetic checkpoint says it is meaningless
+    shown = completed.stderr.split("the built-in request:\n", 1)[1]
+    assert json.loads(shown[: shown.index("\n}\n") + 2]) == serve_clef.DEMO_REQUEST  # the question it answered
 
 
 def test_request_file_is_answered(tmp_path, processor, server):
