@@ -14,6 +14,7 @@
 #   "uvicorn",
 #   "requests",
 #   "prometheus-client",
+#   "zstandard",
 # ]
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
@@ -51,6 +52,7 @@ import time
 import traceback
 import types
 import uuid
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1792,12 +1794,56 @@ class ClefService:
                                "Authorization: Bearer <key>", "authentication_error")
 
 
+CONTENT_ENCODINGS = ("identity", "gzip", "deflate", "zstd")  # what the SystemOne clients send (zstd, gzip by default)
+
+
+def decompress_body(body: bytes, encoding: str) -> bytes:
+    """The body decoded from its Content-Encoding, never more than MAX_BODY_BYTES: a small compressed body that
+    expands past the limit (a decompression bomb) gets 413 after at most MAX_BODY_BYTES + 1 bytes of output."""
+    loc = ("header", "content-encoding")
+    too_large = RequestError(413, ("body",), f"the body decompresses to over {MAX_BODY_BYTES // MiB} MiB",
+                             "request_too_large")
+
+    def corrupt(error: Exception) -> RequestError:
+        return RequestError(400, loc, f"the body is not valid {encoding} data: {error}", "invalid_encoding")
+
+    if encoding == "zstd":
+        try:
+            import zstandard  # only zstd bodies need it
+        except ImportError:
+            raise RequestError(415, loc, "zstd bodies need the zstandard package on the server; send gzip or an "
+                               "uncompressed body", "unsupported_media_type") from None
+        decoded = b""
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
+                while len(decoded) <= MAX_BODY_BYTES and (chunk := reader.read(MAX_BODY_BYTES + 1 - len(decoded))):
+                    decoded += chunk
+        except zstandard.ZstdError as error:
+            raise corrupt(error) from None
+    else:
+        window = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}[encoding]
+        if encoding == "deflate" and body[:1] and body[0] & 0x0F != 8:
+            window = -zlib.MAX_WBITS  # raw deflate, without the zlib header some clients leave out
+        try:
+            decoded = zlib.decompressobj(window).decompress(body, MAX_BODY_BYTES + 1)
+        except zlib.error as error:
+            raise corrupt(error) from None
+    if len(decoded) > MAX_BODY_BYTES:
+        raise too_large
+    return decoded
+
+
 async def read_json_body(request: Request) -> Any:
-    """The parsed body: 415 if not JSON, 413 over 13 MiB (declared or streamed), 400 if it does not parse."""
+    """The parsed body: 415 if not JSON or in an unknown Content-Encoding, 413 over 13 MiB (declared, streamed or
+    decompressed), 422 if it does not parse, 400 for values nothing can represent."""
     media_type = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise RequestError(415, ("header", "content-type"), f"the body must be application/json, not {media_type}",
                            "unsupported_media_type")
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in CONTENT_ENCODINGS:
+        raise RequestError(415, ("header", "content-encoding"), f"Content-Encoding {encoding!r} is not accepted; send "
+                           f"one of {', '.join(CONTENT_ENCODINGS)}", "unsupported_media_type")
     too_large = RequestError(413, ("body",), f"the body is over {MAX_BODY_BYTES // MiB} MiB", "request_too_large")
     declared_length = request.headers.get("content-length", "")
     if declared_length.isdigit() and int(declared_length) > MAX_BODY_BYTES:
@@ -1807,6 +1853,8 @@ async def read_json_body(request: Request) -> Any:
         body += chunk
         if len(body) > MAX_BODY_BYTES:
             raise too_large
+    if encoding != "identity":
+        body = decompress_body(bytes(body), encoding)
 
     def refuse_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")

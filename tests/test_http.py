@@ -9,6 +9,7 @@ asked a good question after each one.
 
 import base64
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -26,6 +28,7 @@ import requests
 import soundfile
 import torch
 import uvicorn
+import zstandard
 from PIL import Image
 
 import joint_schema_model
@@ -416,6 +419,45 @@ def test_paired_surrogates_and_null_levels_are_answered(server, processor):
     assert response.status_code == 200, response.text
     assert response.json()["answers"]["mood"]["legend"] == {"0": "sad", "1": "1", "2": "happy"}
     check_answers(request, response.json(), processor)
+
+
+def compressed(data: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        return gzip.compress(data)
+    if encoding == "deflate":
+        return zlib.compress(data)
+    if encoding == "raw deflate":
+        compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        return compressor.compress(data) + compressor.flush()
+    return zstandard.ZstdCompressor().compress(data)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "raw deflate", "zstd"])
+def test_compressed_bodies_are_answered_as_plain_ones(server, encoding):
+    plain = answers_of(post(server, GOOD_REQUEST))
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding.split()[-1]}
+    response = post(server, compressed(json.dumps(GOOD_REQUEST).encode(), encoding), headers)
+    assert response.status_code == 200, response.text
+    assert answers_of(response) == plain
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_a_body_that_decompresses_past_the_limit_gets_413(server, encoding):
+    bomb = compressed(b'{"state": "' + b" " * (20 * 1024 * 1024) + b'"}', encoding)
+    assert len(bomb) < 1024 * 1024  # small on the wire
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    check_error_body(post(server, bomb, headers), 413, "decompresses to over 13 MiB")
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_unknown_or_corrupt_encodings_are_refused(server):
+    body = json.dumps(GOOD_REQUEST).encode()
+    check_error_body(post(server, body, {"Content-Type": "application/json", "Content-Encoding": "br"}), 415,
+                     "Content-Encoding 'br' is not accepted")
+    check_error_body(post(server, b"not gzip at all", {"Content-Type": "application/json", "Content-Encoding": "gzip"}),
+                     400, "not valid gzip data")
+    check_error_body(post(server, b"not zstd at all", {"Content-Type": "application/json", "Content-Encoding": "zstd"}),
+                     400, "not valid zstd data")
 
 
 def test_non_json_content_type_gets_415(server):
