@@ -577,6 +577,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         """Run the packed kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
         generator = torch.Generator(self.gate_up_packed_codes.device).manual_seed(0)
         for most_pairs_per_expert, _ in EXPERT_TILES:
+            # the catch-all row (no bound): twice the last bound
             pairs_per_expert = most_pairs_per_expert or 2 * EXPERT_TILES[-2][0]
             num_tokens = max(1, pairs_per_expert * self.num_experts // self.top_k)
             hidden_states = torch.randn(num_tokens, self.hidden, generator=generator, device=generator.device)
@@ -1873,26 +1874,27 @@ async def read_json_body(request: Request) -> Any:
 def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
     """400 for a value JSON parses but nothing downstream can represent: a number that overflowed to infinity (1e999)
     or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys included; the message names the field,
-    its own surrogates written as escapes."""
-
-    def refuse(problem: str) -> None:
-        path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
-        raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
-
-    if isinstance(value, float) and not math.isfinite(value):
-        refuse("a number too large for a 64-bit float")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            refuse("text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the character")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            refuse_unrepresentable_values(key, (*loc, key))
-            refuse_unrepresentable_values(item, (*loc, key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            refuse_unrepresentable_values(item, (*loc, index))
+    its own surrogates written as escapes. Walked with a stack, not recursion: a body nested as deep as the JSON
+    parser allows must not exhaust Python's recursion limit here."""
+    pending = [(value, loc)]
+    while pending:
+        value, loc = pending.pop()
+        problem = None
+        if isinstance(value, float) and not math.isfinite(value):
+            problem = "a number too large for a 64-bit float"
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                problem = "text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the text"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # reversed: the first offending field is reported first
+                pending += [(item, (*loc, key)), (key, (*loc, key))]
+        elif isinstance(value, list):
+            pending += [(item, (*loc, index)) for index, item in reversed(list(enumerate(value)))]
+        if problem is not None:
+            path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
+            raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
 
 
 def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:

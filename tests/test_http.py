@@ -410,6 +410,32 @@ def test_numbers_that_overflow_and_lone_surrogates_get_400_naming_the_field(serv
     assert post(server, GOOD_REQUEST).status_code == 200
 
 
+def test_a_body_nested_as_deep_as_json_allows_is_answered_not_crashed(server):
+    deep = "[" * 900 + "]" * 900
+    body = f'{{"model": "m", "state": {{"x": {deep}}}, "questions": {{"ok": {{"type": "noul"}}}}}}'.encode()
+    assert post(server, body, {"Content-Type": "application/json"}).status_code == 200
+    check_error_body(post(server, deep.encode(), {"Content-Type": "application/json"}), 422, "must be a JSON object")
+
+
+def test_the_value_check_adds_no_recursion_to_what_the_parser_accepted():
+    """The parser and the check share Python's recursion limit: a check that recursed per nesting level would fail,
+    with a 500, on bodies the parser had just accepted a few frames higher up the stack."""
+    depth = 990
+    while True:  # the deepest nesting the parser accepts from here
+        try:
+            value = json.loads("[" * depth + "]" * depth)
+            break
+        except RecursionError:
+            depth -= 10
+
+    def with_frames_above(frames: int):
+        if frames:
+            return with_frames_above(frames - 1)
+        serve_clef.refuse_unrepresentable_values(value, ("body",))
+
+    with_frames_above(50)  # raises RecursionError if the check recursed
+
+
 def test_paired_surrogates_and_null_levels_are_answered(server, processor):
     request = {**GOOD_REQUEST, "state": "a smile \U0001F600 in the ticket",
                "questions": {"mood": {"type": "score", "criteria": ["sad", None, "happy"]}}}
