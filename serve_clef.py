@@ -39,6 +39,7 @@ import hmac
 import http
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -1157,19 +1158,19 @@ def load_clef(
     head.to(device=device, dtype=torch.bfloat16)
     clef_model = schema.ClefModel(thinker, head).eval()
     processor = load_processor(checkpoint_dir, schema)
+    packed_decoder = install_packed_decoder(thinker)
     if device.type == "cuda":
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
         # now, not in the first request.
-        # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); flash attention
-        # needs none, and the captured graphs run it.
+        # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); the towers' SDPA
+        # then takes flash or memory-efficient attention, which need none.
         torch.backends.cuda.enable_cudnn_sdp(False)
-        graphed_decoder = graph_text_decoder(thinker)
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(clef_model, processor, WARM_UP_REQUEST)
         if expert_kernels == "triton":
             packed_layer = next(m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts))
             packed_layer.compile_kernels()
-        graphed_decoder.capture_graphs(like=thinker.get_input_embeddings().weight, progress=progress)
+        packed_decoder.capture_graphs(like=thinker.get_input_embeddings().weight, progress=progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, load_s, notice)
@@ -1184,32 +1185,76 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
     )
 
 
-# ==== engine: the text decoder in CUDA graphs =========================================================================
-# A decision is one prefill of a few hundred to a few thousand tokens: launched op by op it is bound by the host
-# (5,559 kernel launches for ~42 ms of GPU work at 516 tokens on an H200). So the thinker's text decoder runs from CUDA
-# graphs captured at load, one per bucket of lengths: a record's embeddings and positions are copied into the
-# bucket's static inputs, padded at the end, the graph is replayed and the real rows of its output are copied out.
-# Causal attention and per-token MoE routing mean padding at the end cannot reach a real token's output. The vision
-# and audio towers and the embedding merge stay eager; records whose decoder input carries deepstack image features,
-# and records longer than the largest bucket, run the decoder eagerly.
+# ==== engine: batches of records, packed, in CUDA graphs ===============================================================
+# A decision is one prefill of a few hundred to a few thousand tokens, and many arrive at once. The engine scores a
+# batch of B records in one forward of the thinker: the thinker embeds them as a right-padded batch, as transformers
+# does, and its text decoder (where nearly all the work is) runs them packed into one sequence of their real tokens,
+# T = the sum of their lengths, with attention kept within each record (varlen flash attention on CUDA). Every
+# record keeps its own rotary positions, and MoE routing is per token, so no record sees another or the padding.
+#
+# Launched op by op, a forward is bound by the host (5,559 kernel launches for ~42 ms of GPU work at 516 tokens on an
+# H200). So the packed decoder runs from CUDA graphs captured at load, one per bucket of packed lengths: the packed
+# embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
+# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
+# embedding merge stay eager; batches whose decoder input carries deepstack image features, and batches longer than
+# the largest bucket, run the packed decoder eagerly. Nothing in the graphed part reads a GPU value on the host.
 
-# Steps of 64 tokens up to 1,024, then 128 up to 2,048 and 256 up to 4,096: a record pays at most ~12% padding past
-# 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an H200).
-DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256))  # tokens
+# Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
+# ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
+# H200).
+DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256),
+                   *range(4608, 8192 + 1, 512))  # tokens
+MAX_RECORDS_PER_FORWARD = 32  # the graphs' fixed number of record boundaries (flash attention's batch)
+PACKED_ATTENTION = "serve_clef_packed_records"  # the text decoder's attention implementation, registered below
 
 
-class GraphedTextDecoder(torch.nn.Module):
+def packed_records_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *,
+    cu_seq_lens_q: torch.Tensor, max_length_q: int, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each record of a packed sequence, transformers' attention-function signature.
+
+    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv), cu_seq_lens_q int32
+    [B + 1] the records' boundaries in T (repeated boundaries are empty records), max_length_q the longest record or
+    more -> [1, T, Hq, D]. On CUDA: flash attention's varlen kernel, which takes the grouped heads as they are and
+    builds no plan per length (aten's op, as torch.nn.attention.varlen calls it: that wrapper's signature differs
+    across torch 2.10-2.12 and 2.9 lacks it). Elsewhere: the same attention spelled out as SDPA with a block-diagonal
+    causal mask (how CPU tests check the packing).
+    """
+    if query.is_cuda:
+        packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+        attention = torch.ops.aten._flash_attention_forward(
+            packed_query, packed_key, packed_value, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, 0.0,
+            True, False, scale=scaling,
+        )[0]  # [T, Hq, D]
+        return attention[None], None
+    positions = torch.arange(query.shape[2], device=query.device)  # [T]
+    record_of_token = torch.searchsorted(cu_seq_lens_q[1:].long(), positions, right=True)  # [T]
+    same_record_and_past = (record_of_token[:, None] == record_of_token[None, :]) & (positions[:, None] >= positions)
+    attention = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=same_record_and_past, scale=scaling, enable_gqa=True
+    )  # [1, Hq, T, D]
+    return attention.transpose(1, 2), None
+
+
+transformers.AttentionInterface.register(PACKED_ATTENTION, packed_records_attention)
+
+
+class PackedTextDecoder(torch.nn.Module):
     """Stands in for the thinker's text decoder (transformers' Qwen3OmniMoeThinkerTextModel), with its forward
-    signature. Forwards of one record of at most DECODER_BUCKETS[-1] tokens run padded to the next bucket: from the
-    bucket's CUDA graph once `capture_graphs` has run, else eagerly on the padded inputs (how CPU tests check the
-    padding). Everything else is handed to the eager decoder as it came."""
+    signature: takes the thinker's right-padded batch [B, L], runs the real tokens packed (padded to the next bucket,
+    from the bucket's CUDA graph once `capture_graphs` has run, else eagerly on the padded inputs, which is how CPU
+    tests check the padding) and hands back the batch [B, L, H] with zeros in its padding."""
 
     def __init__(self, decoder: torch.nn.Module, buckets: tuple[int, ...] = DECODER_BUCKETS):
         super().__init__()
         self.decoder = decoder
+        decoder.config._attn_implementation = PACKED_ATTENTION
         self.buckets = buckets
         self.position_rows = None  # 3 or 4 rows of rotary positions, as the thinker of this transformers builds them
-        self.graphs = {}  # bucket -> (CUDAGraph, inputs_embeds [1, L, H], position_ids [P, 1, L], hidden [1, L, H])
+        # bucket -> (CUDAGraph, inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], hidden [1, L, H])
+        self.graphs = {}
 
     def __getattr__(self, name: str):
         try:
@@ -1220,46 +1265,66 @@ class GraphedTextDecoder(torch.nn.Module):
                 raise
             return getattr(decoder, name)
 
-    def forward(self, *args, **kwargs):
-        inputs_embeds, position_ids = kwargs.get("inputs_embeds"), kwargs.get("position_ids")
-        if args or inputs_embeds is None or position_ids is None or position_ids.ndim != 3:
-            return self.decoder(*args, **kwargs)
+    def forward(
+        self, *, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        visual_pos_masks: torch.Tensor | None = None, deepstack_visual_embeds: list[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> transformers.modeling_outputs.MoeModelOutputWithPast:
+        # inputs_embeds [B, L, H], position_ids [P, B, L], attention_mask [B, L] (1 on real tokens, right-padded)
         self.position_rows = position_ids.shape[0]
-        batch, length, _ = inputs_embeds.shape  # [B, T, H]
-        attention_mask = kwargs.get("attention_mask")
-        bucket = next((bucket for bucket in self.buckets if bucket >= length), None)
-        if (
-            batch != 1
-            or bucket is None
-            or kwargs.get("deepstack_visual_embeds") is not None
-            or kwargs.get("use_cache")
-            or (attention_mask is not None and not bool(attention_mask.all()))
-        ):
-            return self.decoder(*args, **kwargs)
-        if bucket in self.graphs:
-            graph, static_embeds, static_positions, static_hidden = self.graphs[bucket]
+        batch, length, hidden = inputs_embeds.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=inputs_embeds.device)
+        real = attention_mask.bool()  # [B, L]
+        record_lengths = real.sum(-1).tolist()  # one host read per forward, before any graph
+        if batch > MAX_RECORDS_PER_FORWARD:
+            raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
+        packed_embeds = inputs_embeds[real]  # [T, H], record after record
+        packed_positions = position_ids[:, real]  # [P, T]
+        total = packed_embeds.shape[0]
+        bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
+        padded = bucket is not None and deepstack_visual_embeds is None  # else eager, unpadded
+        # boundaries: the records, then the padding as one more record, then empty records up to the graphs' count
+        boundaries = [0, *itertools.accumulate(record_lengths)]
+        boundaries += [bucket if padded else total] * (MAX_RECORDS_PER_FORWARD + 2 - len(boundaries))
+        if not padded:
+            cu_seq_lens = torch.tensor(boundaries, dtype=torch.int32, device=inputs_embeds.device)  # [R + 2]
+            packed_hidden = self.decoder(
+                inputs_embeds=packed_embeds[None], position_ids=packed_positions[:, None], use_cache=False,
+                visual_pos_masks=None if visual_pos_masks is None else visual_pos_masks[real][None],
+                deepstack_visual_embeds=deepstack_visual_embeds, cu_seq_lens_q=cu_seq_lens, max_length_q=total,
+            ).last_hidden_state[0]  # [T, H]
         else:
-            static_embeds, static_positions = self.static_inputs(bucket, inputs_embeds)
-        static_embeds[:, :length].copy_(inputs_embeds)
-        static_embeds[:, length:].zero_()
-        static_positions[..., :length].copy_(position_ids)
-        static_positions[..., length:].zero_()
-        if bucket in self.graphs:
-            graph.replay()
-        else:
-            static_hidden = self.run_padded(static_embeds, static_positions)
-        return transformers.modeling_outputs.MoeModelOutputWithPast(
-            last_hidden_state=static_hidden[:, :length].clone()  # [1, T, H]; the next replay overwrites the graph's
-        )
+            if bucket in self.graphs:
+                graph, static_embeds, static_positions, static_cu_seq_lens, static_hidden = self.graphs[bucket]
+            else:
+                static_embeds, static_positions, static_cu_seq_lens = self.static_inputs(bucket, inputs_embeds)
+            static_embeds[0, :total].copy_(packed_embeds)
+            static_embeds[0, total:].zero_()
+            static_positions[:, 0, :total].copy_(packed_positions)
+            static_positions[:, 0, total:].zero_()
+            static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
+            if bucket in self.graphs:
+                graph.replay()
+            else:
+                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens)
+            packed_hidden = static_hidden[0, :total]  # [T, H]
+        hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H]; the next replay overwrites the graph's
+        hidden_states[real] = packed_hidden
+        return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
-    def static_inputs(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def static_inputs(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         inputs_embeds = torch.zeros(1, bucket, like.shape[-1], dtype=like.dtype, device=like.device)  # [1, L, H]
         position_ids = torch.zeros(self.position_rows, 1, bucket, dtype=torch.long, device=like.device)  # [P, 1, L]
-        return inputs_embeds, position_ids
+        cu_seq_lens = torch.full((MAX_RECORDS_PER_FORWARD + 2,), bucket, dtype=torch.int32, device=like.device)
+        cu_seq_lens[0] = 0  # one record of padding until a batch's boundaries are copied in
+        return inputs_embeds, position_ids, cu_seq_lens
 
-    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # No mask: causal attention is all a single unpadded record needs, and it is what flash attention runs.
-        return self.decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False).last_hidden_state
+    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor):
+        """The decoder on a bucket's packed inputs; the longest record is taken to be the bucket (flash attention
+        needs only an upper bound), so nothing depends on the batch but the tensors' contents."""
+        return self.decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
+                            cu_seq_lens_q=cu_seq_lens, max_length_q=inputs_embeds.shape[1]).last_hidden_state
 
     @torch.inference_mode()
     def capture_graphs(self, like: torch.Tensor, progress: Callable[[str], None]) -> None:
@@ -1271,30 +1336,63 @@ class GraphedTextDecoder(torch.nn.Module):
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):
-            static_embeds, static_positions = self.static_inputs(bucket, like)
+            static_inputs = self.static_inputs(bucket, like)
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side_stream):  # a first run outside the graph sets up kernels and workspaces
-                self.run_padded(static_embeds, static_positions)
+                self.run_padded(*static_inputs)
             torch.cuda.current_stream().wait_stream(side_stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                static_hidden = self.run_padded(static_embeds, static_positions)
-            self.graphs[bucket] = (graph, static_embeds, static_positions, static_hidden)
+                static_hidden = self.run_padded(*static_inputs)
+            self.graphs[bucket] = (graph, *static_inputs, static_hidden)
         progress(f"text decoder captured in CUDA graphs for {len(self.buckets)} lengths up to {self.buckets[-1]} "
                  f"tokens in {time.perf_counter() - start:.1f} s")
 
 
-def graph_text_decoder(thinker: torch.nn.Module) -> GraphedTextDecoder:
-    """Put a GraphedTextDecoder in place of the thinker's text decoder (found by class, as transformers versions nest
+def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
+    """Put a PackedTextDecoder in place of the thinker's text decoder (found by class, as transformers versions nest
     it differently) and return it."""
     name = next(name for name, module in thinker.named_modules()
                 if type(module).__name__ == "Qwen3OmniMoeThinkerTextModel")
     parent_name, _, attribute = name.rpartition(".")
     parent = thinker.get_submodule(parent_name) if parent_name else thinker
-    graphed = GraphedTextDecoder(getattr(parent, attribute))
-    setattr(parent, attribute, graphed)
-    return graphed
+    packed = PackedTextDecoder(getattr(parent, attribute))
+    setattr(parent, attribute, packed)
+    return packed
+
+
+def batch_compatible(encoded_records: list) -> bool:
+    """Whether records can share one forward: the thinker takes one use_audio_in_video flag per batch, so videos
+    with and without their soundtrack go to separate forwards."""
+    flags = {bool(record.media.get("use_audio_in_video", False)) for record in encoded_records
+             if record.media and "pixel_values_videos" in record.media}
+    return len(flags) <= 1
+
+
+@torch.inference_mode()
+def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.Tensor] | None]:
+    """The joint head's option logits of each encoded record (per question), from one forward of the batch.
+
+    The batch is the decision module's own collation (right-padded, media concatenated) through its own
+    `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
+    runs out of memory, each record is scored alone; a record that does not fit even alone gets None.
+    """
+    device = next(loaded.model.parameters()).device
+    try:
+        batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, device)
+        logits = loaded.model._forward_unpadded(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # an asynchronous fault belongs to this batch, not to the next one
+        return logits
+    except torch.OutOfMemoryError:
+        pass  # retried below, once the exception (and the frames it holds) has let go of the batch's memory
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if len(encoded_records) == 1:
+        return [None]
+    return [score_records(loaded, [record])[0] for record in encoded_records]
 
 
 # ==== decisions =======================================================================================================
@@ -1609,12 +1707,58 @@ def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
     raise _invalid((), str(refusal)) from None
 
 
-@torch.inference_mode()
-def score(loaded: LoadedClef, encoded) -> list:
-    """The joint head's option logits of one encoded record, per question, from one forward of the model."""
-    device = next(loaded.model.parameters()).device
-    batch = loaded.schema.collate_records([encoded], loaded.processor.tokenizer.pad_token_id, device)
-    return loaded.model(batch)[0]
+@dataclass
+class PreparedRecord:
+    """A request validated, its media decoded and its record encoded: what a forward needs, and what its answers
+    need (the questions, the token counts, the stage timings so far)."""
+
+    record: dict  # the validated record, media decoded
+    encoded: Any  # the decision module's EncodedRecord
+    state_tokens_dropped: int  # state tokens cut to fit max_length (truncate: true)
+    timings: dict[str, float]  # seconds per stage: decode, encode (forward and answer added later)
+    started: float  # time.perf_counter() when preparing began
+
+    @property
+    def tokens(self) -> int:
+        return len(self.encoded.input_ids)
+
+
+def prepare(loaded: LoadedClef, request: Any, max_length: int, timings: dict[str, float] | None = None
+            ) -> PreparedRecord:
+    """Validate a SystemOne request, decode each medium once and encode the record once; RequestError if refused."""
+    started = time.perf_counter()
+    timings = {} if timings is None else timings
+    record, truncate = validate_request(request)
+    record = decode_media(record, loaded.schema)
+    decoded = time.perf_counter()
+    timings["decode"] = decoded - started
+    encoded, state_tokens_dropped = encode(loaded, record, max_length, truncate)
+    timings["encode"] = time.perf_counter() - decoded
+    return PreparedRecord(record, encoded, state_tokens_dropped, timings, started)
+
+
+def answer(loaded: LoadedClef, prepared: PreparedRecord, logits: list[torch.Tensor] | None) -> dict:
+    """The SystemOne response for one scored record, from the decision module's own answer code; 413 for a record
+    that did not fit in device memory (logits None)."""
+    answer_started = time.perf_counter()
+    if logits is None:
+        raise RequestError(413, ("body",), "too many tokens: the device ran out of memory scoring this request; send "
+                           "a shorter state or fewer or smaller media", "too_many_tokens")
+    answers = {}
+    for (question_id, question), encoded_question, question_logits in zip(
+        prepared.record["questions"].items(), prepared.encoded.questions, logits
+    ):
+        probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
+        answers[question_id] = loaded.schema.systemone_answer(question, probabilities)
+        if "legend" in answers[question_id]:  # the SystemOne clients refuse null legend values: a level's own index
+            legend = answers[question_id]["legend"]
+            answers[question_id]["legend"] = {level: level if text is None else text for level, text in legend.items()}
+    prepared.timings["answer"] = time.perf_counter() - answer_started
+    usage = {"input_tokens": prepared.tokens, "output_tokens": 0}
+    if prepared.state_tokens_dropped:  # the state was cut to fit the context (truncate: true, the default)
+        usage["state_tokens_dropped"] = prepared.state_tokens_dropped
+    usage["latency_ms"] = round((time.perf_counter() - prepared.started) * 1000, 1)
+    return {"model": prepared.record["model"], "answers": answers, "usage": usage}
 
 
 def decide(
@@ -1624,54 +1768,14 @@ def decide(
 
     The server's own walk, which the decision module's `systemone()` does in one call: validate, decode each medium,
     encode once, one forward, then the module's own answer code. `timings`, when given, receives the seconds each
-    stage took (decode, encode, forward, answer). Not thread safe: call it from one thread at a time (the HTTP server
-    calls it on its scoring thread only).
+    stage took (decode, encode, forward, answer). Not thread safe: call it from one thread at a time. The HTTP server
+    runs the same steps, with records of several requests sharing each forward.
     """
-    started = time.perf_counter()
-    stage_started = started
-    timings = {} if timings is None else timings
-
-    def stage_done(stage: str) -> None:
-        nonlocal stage_started
-        now = time.perf_counter()
-        timings[stage] = now - stage_started
-        stage_started = now
-
-    record, truncate = validate_request(request)
-    record = decode_media(record, loaded.schema)
-    stage_done("decode")
-    encoded, state_tokens_dropped = encode(loaded, record, max_length, truncate)
-    stage_done("encode")
-    try:
-        logits = score(loaded, encoded)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the forward's GPU work counts as forward, not as the answers that read it
-    except torch.OutOfMemoryError:
-        logits = None  # memory is freed below, once the exception (and the frames it holds) is gone
-    except ValueError as error:  # what the decision module refuses while batching (e.g. mixed video soundtracks)
-        raise _invalid((), str(error)) from None
-    stage_done("forward")
-    if logits is None:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        raise RequestError(413, ("body",), "too many tokens: the device ran out of memory scoring this request; send "
-                           "a shorter state or fewer or smaller media", "too_many_tokens")
-    answers = {}
-    for (question_id, question), encoded_question, question_logits in zip(
-        record["questions"].items(), encoded.questions, logits
-    ):
-        probabilities = dict(zip(encoded_question.option_ids, question_logits.float().softmax(-1).tolist()))
-        answers[question_id] = loaded.schema.systemone_answer(question, probabilities)
-        if "legend" in answers[question_id]:  # the SystemOne clients refuse null legend values: a level's own index
-            legend = answers[question_id]["legend"]
-            answers[question_id]["legend"] = {level: level if text is None else text for level, text in legend.items()}
-    stage_done("answer")
-    usage = {"input_tokens": len(encoded.input_ids), "output_tokens": 0}
-    if state_tokens_dropped:  # the state was cut to fit the context (truncate: true, the default)
-        usage["state_tokens_dropped"] = state_tokens_dropped
-    usage["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
-    return {"model": record["model"], "answers": answers, "usage": usage}
+    prepared = prepare(loaded, request, max_length, timings)
+    forward_started = time.perf_counter()
+    (logits,) = score_records(loaded, [prepared.encoded])
+    prepared.timings["forward"] = time.perf_counter() - forward_started
+    return answer(loaded, prepared, logits)
 
 
 # ==== HTTP ============================================================================================================
@@ -1680,6 +1784,10 @@ def decide(
 
 MAX_BODY_BYTES = 13 * MiB
 RETRY_AFTER_S = 10
+DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
+DEFAULT_MAX_BATCH_TOKENS = 8192  # the largest CUDA-graph bucket
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -1704,7 +1812,7 @@ def error_response(error: RequestError, **fields: Any) -> JSONResponse:
     headers = {}
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    if error.error_type == "model_loading":
+    if error.error_type in ("model_loading", "overloaded"):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     body = {**fields, **error_body(error.status, error.message, error.error_type, error.loc)}
     return JSONResponse(body, error.status, headers)
@@ -1735,9 +1843,38 @@ class ServingMetrics:
         )
 
 
+@dataclass
+class DecisionJob:
+    """One request on its way through the scheduler. Its future is settled once, with the response or the error that
+    refuses it; the HTTP handler cancels it when the client goes away, and every stage skips cancelled jobs."""
+
+    payload: Any  # the parsed body
+    future: concurrent.futures.Future
+    enqueued: float  # time.perf_counter() when it was queued
+    deadline: float  # time.perf_counter() past which it gets 503 instead of a forward
+    timings: dict[str, float]  # seconds per stage, for Server-Timing
+    prepared: PreparedRecord | None = None
+
+    def settle(self, response: dict | None = None, error: BaseException | None = None) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # cancelled: nobody is waiting
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(response)
+
+
 class ClefService:
-    """What the endpoints share: the model once loaded (or why loading failed), the thread that uses the device, and
-    the metrics."""
+    """What the endpoints share: the model once loaded (or why loading failed), the scheduler that answers decisions,
+    and the metrics.
+
+    The scheduler is two long-lived threads. The preparing thread takes requests in arrival order and validates,
+    decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
+    thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
+    that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
+    over the budget runs alone), scores them in one forward and answers each. At most `max_queue` requests wait or
+    run (503 with Retry-After beyond), and a request still unscored after `request_timeout` seconds gets 503.
+    """
 
     def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):
         self.args = args
@@ -1745,29 +1882,107 @@ class ClefService:
         self.loaded: LoadedClef | None = None
         self.load_error: str | None = None
         self.metrics = ServingMetrics()
-        # Loading and every decision run on one long-lived thread: the device does one decision at a time anyway, and
-        # a fresh thread pays CUDA's per-thread set-up (library handles) again on its first decision. A daemon thread,
-        # so that stopping the server during a long load does not wait for the load to finish.
-        self.scorer_jobs = queue.SimpleQueue()
-        threading.Thread(target=self.score_forever, name="serve_clef-scorer", daemon=True).start()
+        self.queue_slots = threading.BoundedSemaphore(args.max_queue)  # one per request waiting or in a forward
+        self.arrived = queue.SimpleQueue()  # DecisionJob, to prepare
+        self.prepared = queue.SimpleQueue()  # DecisionJob with .prepared, to score
 
-    def on_scorer(self, function: Callable, *args: Any) -> concurrent.futures.Future:
-        """Run function(*args) on the scoring thread, after the jobs queued before it."""
-        future = concurrent.futures.Future()
+    def start(self) -> None:
+        # Daemon threads, so that stopping the server during a long load does not wait for the load to finish.
+        threading.Thread(target=self.score_forever, name="serve_clef-scorer", daemon=True).start()
+        threading.Thread(target=self.prepare_forever, name="serve_clef-preparer", daemon=True).start()
+
+    def submit(self, payload: Any) -> DecisionJob:
+        """Queue a parsed request; 503 with Retry-After when the queue is full."""
+        if not self.queue_slots.acquire(blocking=False):
+            raise RequestError(503, ("body",), f"the server is overloaded: {self.args.max_queue} requests are already "
+                               "queued (--max-queue); retry later", "overloaded")
+        now = time.perf_counter()
+        job = DecisionJob(payload, concurrent.futures.Future(), now, now + self.args.request_timeout, {})
         self.metrics.queue_depth.inc()
-        self.scorer_jobs.put((future, function, args))
-        return future
+
+        def release(future: concurrent.futures.Future) -> None:
+            self.queue_slots.release()
+            self.metrics.queue_depth.dec()
+
+        job.future.add_done_callback(release)
+        self.arrived.put(job)
+        return job
+
+    def still_wanted(self, job: DecisionJob) -> bool:
+        """False for a job whose client went away, or whose deadline has passed (answered 503 here)."""
+        if job.future.cancelled():
+            return False
+        if time.perf_counter() > job.deadline:
+            job.settle(error=RequestError(
+                503, ("body",), f"the server is overloaded: the request waited {self.args.request_timeout:g} s "
+                "(--request-timeout) without being scored; retry later", "overloaded",
+            ))
+            return False
+        return True
+
+    def prepare_forever(self) -> None:
+        while True:
+            job = self.arrived.get()
+            if not self.still_wanted(job):
+                continue
+            try:
+                job.prepared = prepare(self.loaded, job.payload, self.args.max_length, job.timings)
+            except BaseException as error:  # a refusal (RequestError) or a fault, handed to the waiting request
+                job.settle(error=error)
+                continue
+            self.prepared.put(job)
 
     def score_forever(self) -> None:
-        while True:
-            future, function, args = self.scorer_jobs.get()
-            self.metrics.queue_depth.dec()
-            if not future.set_running_or_notify_cancel():
-                continue  # its client went away while it waited
+        self.load_in_background()
+        backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
+        while self.loaded is not None:
+            if not backlog:
+                backlog.append(self.prepared.get())
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    backlog.append(self.prepared.get_nowait())
+            backlog = [job for job in backlog if self.still_wanted(job)]
+            batch, tokens = [], 0
+            for job in backlog:
+                fits = not batch or (tokens + job.prepared.tokens <= self.args.max_batch_tokens
+                                     and len(batch) < MAX_RECORDS_PER_FORWARD)
+                if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
+                    batch.append(job)
+                    tokens += job.prepared.tokens
+            if batch:
+                backlog = [job for job in backlog if job not in batch]
+                self.score_batch(batch)
+
+    def score_batch(self, batch: list[DecisionJob]) -> None:
+        forward_started = time.perf_counter()
+        for job in batch:  # waiting time: everything before the forward that was not decoding or encoding
+            job.timings["queue"] = forward_started - job.enqueued - job.timings["decode"] - job.timings["encode"]
+        try:
+            batch_logits = score_records(self.loaded, [job.prepared.encoded for job in batch])
+        except BaseException as error:  # a fault of the forward: every request of the batch gets it (a 500)
+            for job in batch:
+                job.settle(error=error)
+            return
+        forward_s = time.perf_counter() - forward_started
+        self.metrics.batch_records.observe(len(batch))
+        for job, logits in zip(batch, batch_logits):
+            job.timings["forward"] = forward_s
             try:
-                future.set_result(function(*args))
-            except BaseException as error:  # handed to the request that is waiting for it
-                future.set_exception(error)
+                job.settle(answer(self.loaded, job.prepared, logits))
+            except RequestError as error:
+                job.settle(error=error)
+
+    async def decide(self, payload: Any, request: Request) -> tuple[dict, dict[str, float]]:
+        """The response to a parsed request and its stage timings, once the scheduler has answered it. A client that
+        disconnects while it waits has its job cancelled, so that nothing more is spent on it."""
+        job = self.submit(payload)
+        waiting = asyncio.wrap_future(job.future)
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=DISCONNECT_CHECK_S)
+            if not waiting.done() and await request.is_disconnected():
+                job.future.cancel()
+                raise RequestError(499, ("body",), "the client closed the connection", "client_closed_request")
+        return waiting.result(), job.timings
 
     def load_in_background(self) -> None:
         try:
@@ -1897,6 +2112,41 @@ def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
             raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
 
 
+class ObserveDecisions:
+    """ASGI middleware for every decision request, answered or refused: a request id (X-Request-Id, and
+    request.state.request_id for the handlers), the metrics and one console line. Plain ASGI rather than
+    @app.middleware("http"): Starlette's BaseHTTPMiddleware hides the client's disconnect from the handler, which
+    needs it to drop the request of a client that went away."""
+
+    def __init__(self, app: Callable, metrics: ServingMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/systemone":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex[:16]
+        state = scope.setdefault("state", {})  # what handlers read as request.state
+        state.update(request_id=request_id, tokens=0)
+        started = time.perf_counter()
+        status = 500  # unless a response starts: an unhandled error (answered by the 500 handler, outside)
+
+        async def send_with_request_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_request_id)
+        finally:
+            seconds = time.perf_counter() - started
+            self.metrics.requests.labels(status=str(status)).inc()
+            self.metrics.request_seconds.observe(seconds)
+            console(f"request {request_id} {status} {state['tokens']} tokens {seconds * 1000:.1f} ms")
+
+
 def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None = None) -> FastAPI:
     """The HTTP app; its startup begins loading the model with `load(args, progress)` (default `load_from_args`) on
     the scoring thread."""
@@ -1904,7 +2154,7 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.on_scorer(service.load_in_background)  # the thread that loads (and warms up) is the one that scores
+        service.start()  # the scoring thread loads (and warms up) the model, then scores
         yield
 
     app = FastAPI(title="serve_clef", lifespan=lifespan)
@@ -1937,44 +2187,16 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         response.headers.update({"Connection": "close", "X-Request-Id": request_id})
         return response
 
-    @app.middleware("http")
-    async def observe_decisions(request: Request, call_next: Callable) -> Response:
-        """Every decision request, answered or refused: a request id, the metrics, one console line."""
-        if request.url.path != "/v1/systemone":
-            return await call_next(request)
-        request.state.request_id = uuid.uuid4().hex[:16]
-        request.state.tokens = 0
-        started = time.perf_counter()
-        status = 500  # unless a response comes back: an unhandled error
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            response.headers["X-Request-Id"] = request.state.request_id
-            return response
-        finally:
-            seconds = time.perf_counter() - started
-            service.metrics.requests.labels(status=str(status)).inc()
-            service.metrics.request_seconds.observe(seconds)
-            console(f"request {request.state.request_id} {status} {request.state.tokens} tokens "
-                    f"{seconds * 1000:.1f} ms")
+    app.add_middleware(ObserveDecisions, metrics=service.metrics)
 
     @app.post("/v1/systemone")
     async def systemone(request: Request) -> JSONResponse:
         service.check_api_key(request)
-        loaded = service.ready()
+        service.ready()
         payload = await read_json_body(request)
-        timings = {}
-        enqueued = time.perf_counter()
-
-        def decide_when_its_turn_comes() -> dict:
-            timings["queue"] = time.perf_counter() - enqueued
-            return decide(loaded, payload, args.max_length, timings)
-
-        # Off the event loop: media decoding and scoring block, and other requests keep being read meanwhile.
-        response = await asyncio.wrap_future(service.on_scorer(decide_when_its_turn_comes))
+        response, timings = await service.decide(payload, request)
         request.state.tokens = response["usage"]["input_tokens"]
         service.metrics.tokens.inc(request.state.tokens)
-        service.metrics.batch_records.observe(1)  # one record per forward until the scheduler batches them
         server_timing = ", ".join(f"{stage};dur={timings[stage] * 1000:.1f}"
                                   for stage in ("queue", "decode", "encode", "forward", "answer"))
         headers = {"Server-Timing": server_timing}
@@ -2024,6 +2246,13 @@ def console(line: str) -> None:
 
 # ==== command line ====================================================================================================
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="serve_clef.py",
@@ -2071,6 +2300,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=DEFAULT_MAX_LENGTH,
         help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="Most tokens the server scores in one forward, over the records of concurrent requests (a longer "
+        f"request runs alone). Default: {DEFAULT_MAX_BATCH_TOKENS}.",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"Most requests waiting or being scored; more get 503 with Retry-After. Default: {DEFAULT_MAX_QUEUE}.",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="Seconds a request may wait to be scored before it gets 503 with Retry-After. "
+        f"Default: {DEFAULT_REQUEST_TIMEOUT_S:g}.",
     )
     parser.add_argument(
         "--api-key",

@@ -1,11 +1,15 @@
-"""The server's decision walk on CPU: records padded to a length bucket answer as unpadded ones, and `decide` answers
-as the decision module's own `systemone()`.
+"""The engine on CPU: records packed into one forward answer as each record alone through transformers' own text
+decoder, padding to a length bucket changes no answer, and `decide` answers as the decision module's `systemone()`.
 
-On a GPU the padded inputs are replayed from CUDA graphs (checked on the H200 by bench/check_engine_gpu.py against
-the eager decoder); here the same padded inputs run eagerly, which is what the padding itself changes.
+On a GPU the packed attention is flash attention's varlen kernel and the padded inputs are replayed from CUDA graphs
+(checked on the H200 by bench/check_engine_gpu.py); here attention is SDPA with a block-diagonal mask and the padded
+inputs run eagerly, which is what packing and padding themselves change.
 """
 
 import base64
+
+import pytest
+import torch
 
 import serve_clef
 
@@ -20,6 +24,16 @@ REQUESTS = [
         },
     },
 ]
+# BF16 noise: the tiny model runs in BF16, and packing changes the shapes (so the summation order) of its matrix
+# products and attention. Most tokens' hidden states then differ by under 2% of their largest value; a token whose
+# router scores two experts nearly equal may switch expert and differ more, and the answers move by up to ~0.003.
+# Attention leaking across records changes every token after the first record (by 80-120%).
+ANSWER_NOISE = 0.01
+HIDDEN_NOISE = 0.02  # of the record's largest hidden value
+MOST_TOKENS_SWITCHING_EXPERT = 0.03  # fraction of a record's tokens allowed past HIDDEN_NOISE
+
+def data_url(content_type: str, data: bytes) -> str:
+    return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
 
 
 def probabilities(answers: dict) -> dict:
@@ -27,36 +41,125 @@ def probabilities(answers: dict) -> dict:
             for option, probability in answer.get("probabilities", {"true": answer.get("noul")}).items()}
 
 
-def test_padding_to_a_bucket_keeps_every_answer():
+def largest_difference(answers_a: dict, answers_b: dict) -> float:
+    a, b = probabilities(answers_a), probabilities(answers_b)
+    assert a.keys() == b.keys()
+    return max(abs(a[key] - b[key]) for key in a)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def stock_loaded():
+    """The same checkpoint with transformers' own text decoder and attention put back: the reference."""
     loaded = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
-    unpadded = [serve_clef.decide(loaded, request, 4096) for request in REQUESTS]
-    graphed = serve_clef.graph_text_decoder(loaded.model.thinker)
+    for name, module in list(loaded.model.named_modules()):
+        if isinstance(module, serve_clef.PackedTextDecoder):
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(loaded.model.get_submodule(parent_name), attribute, module.decoder)
+            module.decoder.config._attn_implementation = "sdpa"
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def mixed_requests(png_bytes, wav_bytes, mp4_with_audio_bytes):
+    """Text of two lengths, an image, audio and a video with its soundtrack: different lengths and media."""
+    text, long_text = REQUESTS
+    return [
+        long_text,
+        {**text, "images": [data_url("image/png", png_bytes)]},
+        text,
+        {**long_text, "audio": [data_url("audio/wav", wav_bytes)]},
+        {**text, "state": "a video", "videos": [data_url("video/mp4", mp4_with_audio_bytes)]},
+    ]
+
+
+def test_packed_attention_is_causal_attention_within_each_record():
+    """The CPU spelling of the packed attention against SDPA run on each record alone (grouped heads expanded)."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9]
+    query = torch.randn(1, 4, sum(lengths) + 3, 8, generator=generator)  # 3 padding tokens at the end
+    key, value = torch.randn(2, 1, 2, sum(lengths) + 3, 8, generator=generator)
+    boundaries = torch.tensor([0, 5, 6, 15, 18, 18, 18], dtype=torch.int32)  # the padding, then two empty records
+    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, cu_seq_lens_q=boundaries,
+                                                    max_length_q=18)
+    assert packed.shape == (1, sum(lengths) + 3, 4, 8)
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, rows], key[:, :, rows].repeat_interleave(2, 1), value[:, :, rows].repeat_interleave(2, 1),
+            is_causal=True, scale=0.3,
+        )
+        torch.testing.assert_close(packed[0, rows], alone[0].transpose(0, 1))
+        start += length
+
+
+def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
+    """The thinker's final hidden states [B, L, H] of a batch, collated and run as the decision module runs it."""
+    batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")
+    media = dict(batch["media"])
+    use_audio_in_video = media.pop("use_audio_in_video", False)
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
+        if key in media:
+            media[key] = media[key].to(torch.bfloat16)
+    with torch.inference_mode():
+        return loaded.model.thinker(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    use_cache=False, use_audio_in_video=use_audio_in_video, **media).logits
+
+
+def test_a_mixed_batch_runs_as_each_record_alone(loaded, stock_loaded, mixed_requests):
+    """One packed forward of five records (text, image, audio, video) against each record alone through
+    transformers' own text decoder: hidden states token by token, then the answers (the decision module's
+    systemone); and the same batch twice gives bit-identical logits."""
+    prepared = [serve_clef.prepare(loaded, request, 4096) for request in mixed_requests]
+    encoded = [record.encoded for record in prepared]
+    packed = thinker_hidden_states(loaded, encoded)
+    for index, record in enumerate(encoded):
+        alone = thinker_hidden_states(stock_loaded, [record])[0]  # [T, H]
+        token_error = (packed[index, :len(record.input_ids)].float() - alone.float()).abs().amax(-1)  # [T]
+        beyond_noise = (token_error > HIDDEN_NOISE * alone.float().abs().max()).float().mean().item()
+        assert beyond_noise <= MOST_TOKENS_SWITCHING_EXPERT, f"record {index}: {beyond_noise:.0%} of tokens differ"
+        assert not packed[index, len(record.input_ids):].any()  # the padding of the batch stays zero
+
+    batch_logits = serve_clef.score_records(loaded, encoded)
+    for request, record, logits in zip(mixed_requests, prepared, batch_logits):
+        reference = stock_loaded.schema.systemone(stock_loaded.model, stock_loaded.processor, request, 4096)
+        answers = serve_clef.answer(loaded, record, logits)["answers"]
+        assert largest_difference(answers, reference["answers"]) <= ANSWER_NOISE
+    again = serve_clef.score_records(loaded, encoded)
+    assert all(torch.equal(a, b) for first, second in zip(batch_logits, again) for a, b in zip(first, second))
+
+
+def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
+    decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
     padded_lengths = []
-    run_padded = graphed.run_padded
+    run_padded = decoder.run_padded
 
-    def recording_run_padded(inputs_embeds, position_ids):
+    def recording_run_padded(inputs_embeds, position_ids, cu_seq_lens):
         padded_lengths.append(inputs_embeds.shape[1])
-        return run_padded(inputs_embeds, position_ids)
+        return run_padded(inputs_embeds, position_ids, cu_seq_lens)
 
-    graphed.run_padded = recording_run_padded
-    padded = [serve_clef.decide(loaded, request, 4096) for request in REQUESTS]
-    tokens = [response["usage"]["input_tokens"] for response in unpadded]
+    decoder.run_padded = recording_run_padded
+    try:
+        padded = [serve_clef.decide(loaded, request, 4096) for request in REQUESTS]
+    finally:
+        del decoder.run_padded
+    tokens = [response["usage"]["input_tokens"] for response in padded]
     # each record ran padded to the smallest bucket that holds it, and past its own length
     assert padded_lengths == [min(b for b in serve_clef.DECODER_BUCKETS if b >= length) for length in tokens]
     assert all(bucket > length for bucket, length in zip(padded_lengths, tokens))
-    for before, after in zip(unpadded, padded):
-        before, after = probabilities(before["answers"]), probabilities(after["answers"])
-        assert before.keys() == after.keys()
-        assert max(abs(before[key] - after[key]) for key in before) <= 1e-4  # answers are rounded to 4 places
+    for request, response in zip(REQUESTS, padded):
+        reference = stock_loaded.schema.systemone(stock_loaded.model, stock_loaded.processor, request, 4096)
+        assert largest_difference(response["answers"], reference["answers"]) <= ANSWER_NOISE
 
 
-def test_decide_answers_as_the_decision_modules_own_systemone(png_bytes, wav_bytes, mp4_with_audio_bytes):
-    """The server's walk (encode once, forward, answer) against the reference that does it all in one call."""
-    loaded = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
-
-    def data_url(content_type: str, data: bytes) -> str:
-        return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
-
+def test_decide_answers_as_the_decision_modules_own_systemone(loaded, png_bytes, wav_bytes, mp4_with_audio_bytes):
+    """The server's walk (encode once, forward, answer) against the reference that does it all in one call, on the
+    same model: the same forward, so the same answers."""
     media = [{}, {"images": [data_url("image/png", png_bytes)]}, {"audio": [data_url("audio/wav", wav_bytes)]},
              {"videos": [data_url("video/mp4", mp4_with_audio_bytes)]}]
     for request in REQUESTS:
@@ -66,3 +169,39 @@ def test_decide_answers_as_the_decision_modules_own_systemone(png_bytes, wav_byt
             reference = loaded.schema.systemone(loaded.model, loaded.processor, request, 4096)
             assert ours["answers"] == reference["answers"]
             assert ours["usage"]["input_tokens"] == reference["usage"]["input_tokens"]
+
+
+def test_videos_with_and_without_soundtrack_never_share_a_forward(loaded, mp4_with_audio_bytes, mp4_silent_bytes):
+    text = REQUESTS[0]
+    with_sound, silent, plain = (serve_clef.prepare(loaded, request, 4096).encoded for request in (
+        {**text, "videos": [data_url("video/mp4", mp4_with_audio_bytes)]},
+        {**text, "videos": [data_url("video/mp4", mp4_silent_bytes)]},
+        text,
+    ))
+    assert serve_clef.batch_compatible([with_sound, plain]) and serve_clef.batch_compatible([silent, plain])
+    assert not serve_clef.batch_compatible([with_sound, silent, plain])
+
+
+def test_out_of_memory_in_a_batch_retries_each_record_alone(loaded, monkeypatch):
+    """A batch that does not fit is scored record by record; only the record that does not fit alone gets None
+    (answered 413), and the others get the logits they get alone."""
+    encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in REQUESTS * 2]
+    alone = [serve_clef.score_records(loaded, [record])[0] for record in encoded]
+    longest = max(len(record.input_ids) for record in encoded)
+    forward = loaded.model._forward_unpadded
+    batch_sizes = []
+
+    def forward_with_little_memory(batch):
+        batch_sizes.append(batch["input_ids"].shape[0])
+        if batch["input_ids"].shape[0] > 1 or batch["input_ids"].shape[1] == longest:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return forward(batch)
+
+    monkeypatch.setattr(loaded.model, "_forward_unpadded", forward_with_little_memory)
+    scored = serve_clef.score_records(loaded, encoded)
+    assert batch_sizes == [4, 1, 1, 1, 1]
+    for record, logits, logits_alone in zip(encoded, scored, alone):
+        if len(record.input_ids) == longest:
+            assert logits is None
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(logits, logits_alone))

@@ -1,0 +1,125 @@
+"""The HTTP server's scheduler: concurrent requests share forwards up to the token budget, the queue is bounded (503
+with Retry-After), a request that waits past its deadline gets 503, and the request of a client that went away is
+never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
+
+import requests
+
+import serve_clef
+from test_http import (GOOD_REQUEST, SERVER_ARGS, TIMEOUT_S, args, check_error_body, loaded,  # noqa: F401 (fixtures)
+                       serve_in_thread, wait_until_ready)
+
+
+def server_args(*flags: str):
+    return serve_clef.parse_args([*SERVER_ARGS, "--api-key", "", *flags])
+
+
+class HeldForward:
+    """Stands in for the model's batch forward: records the records of each batch, and holds a forward until the
+    test lets it go."""
+
+    def __init__(self, loaded, monkeypatch):
+        self.forward = loaded.model._forward_unpadded
+        self.batches = []  # record ids of each forward
+        self.started = threading.Semaphore(0)
+        self.go = threading.Event()
+        self.go.set()
+        monkeypatch.setattr(loaded.model, "_forward_unpadded", self)
+
+    def __call__(self, batch):
+        self.batches.append([record.record_id for record in batch["records"]])
+        self.started.release()
+        assert self.go.wait(TIMEOUT_S)
+        return self.forward(batch)
+
+
+def request_with_id(number: int) -> dict:
+    return {**GOOD_REQUEST, "id": f"r{number}", "state": f"ticket {number}: the parcel arrived {number} days late"}
+
+
+def post(base_url: str, body: dict) -> requests.Response:
+    return requests.post(f"{base_url}/v1/systemone", json=body, timeout=TIMEOUT_S)
+
+
+def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monkeypatch):
+    tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
+    held = HeldForward(loaded, monkeypatch)
+    app = serve_clef.create_app(server_args("--max-batch-tokens", str(3 * tokens + 2)), load=lambda a, progress: loaded)
+    with serve_in_thread(app) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.go.clear()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0 holds the device; the next seven queue behind it
+            rest = [pool.submit(post, base_url, request_with_id(number)) for number in range(1, 8)]
+            time.sleep(1.0)  # most of the seven prepared and waiting
+            held.go.set()
+            responses = [first.result(), *(future.result() for future in rest)]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches[0] == ["r0"]
+    # the waiting seven, none lost or repeated, several per forward but never more than the budget's three
+    assert sorted(record for batch in held.batches[1:] for record in batch) == [f"r{n}" for n in range(1, 8)]
+    assert max(len(batch) for batch in held.batches[1:]) == 3
+
+
+def test_a_full_queue_gets_503_with_retry_after(loaded, monkeypatch):
+    held = HeldForward(loaded, monkeypatch)
+    app = serve_clef.create_app(server_args("--max-queue", "2"), load=lambda a, progress: loaded)
+    with serve_in_thread(app) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.go.clear()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            queued = [pool.submit(post, base_url, request_with_id(number)) for number in range(2)]
+            assert held.started.acquire(timeout=TIMEOUT_S)
+            refused = post(base_url, request_with_id(2))
+            held.go.set()
+            assert all(future.result().status_code == 200 for future in queued)
+        body = check_error_body(refused, 503, "--max-queue")
+        assert body["detail"]["error_type"] == "overloaded"
+        assert refused.headers["Retry-After"].isdigit()
+        assert post(base_url, request_with_id(3)).status_code == 200  # the slots came back
+
+
+def test_a_request_past_its_deadline_gets_503_and_is_not_scored(loaded, monkeypatch):
+    held = HeldForward(loaded, monkeypatch)
+    app = serve_clef.create_app(server_args("--request-timeout", "1"), load=lambda a, progress: loaded)
+    with serve_in_thread(app) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.go.clear()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)
+            late = pool.submit(post, base_url, request_with_id(1))
+            time.sleep(2.5)  # r1 waits past its 1 s deadline behind r0
+            held.go.set()
+            assert first.result().status_code == 200
+            body = check_error_body(late.result(), 503, "--request-timeout")
+    assert late.result().headers["Retry-After"].isdigit() and body["detail"]["error_type"] == "overloaded"
+    assert held.batches == [["r0"]]
+
+
+def test_the_request_of_a_client_that_went_away_is_not_scored(loaded, monkeypatch):
+    held = HeldForward(loaded, monkeypatch)
+    app = serve_clef.create_app(server_args(), load=lambda a, progress: loaded)
+    with serve_in_thread(app) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.go.clear()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)
+            body = requests.models.complexjson.dumps(request_with_id(1)).encode()
+            address = urlsplit(base_url)
+            with socket.create_connection((address.hostname, address.port)) as client:  # sends r1, then hangs up
+                client.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                time.sleep(0.5)
+            time.sleep(2 * serve_clef.DISCONNECT_CHECK_S + 0.5)  # the server notices the hang-up
+            held.go.set()
+            assert first.result().status_code == 200
+        assert post(base_url, request_with_id(2)).status_code == 200
+    assert held.batches == [["r0"], ["r2"]]
