@@ -105,7 +105,7 @@ def timed_decision(decide, request) -> tuple[float, dict]:
     return (time.perf_counter() - start) * 1000, response
 
 
-def profile_decision(decide, request) -> dict:
+def profile_decision(decide, request, kernels_reported: int = PROFILED_KERNELS_REPORTED) -> dict:
     """The GPU's busy time, the kernels launched and the largest kernels of one decision, from torch.profiler."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
@@ -122,7 +122,7 @@ def profile_decision(decide, request) -> dict:
         device_us = getattr(event, "self_device_time_total", None)  # torch before 2.4: self_cuda_time_total
         return (event.self_cuda_time_total if device_us is None else device_us) / 1000
 
-    largest = sorted(kernels, key=device_ms, reverse=True)[:PROFILED_KERNELS_REPORTED]
+    largest = sorted(kernels, key=device_ms, reverse=True)[:kernels_reported]
     return {
         "profile_gpu_busy_ms": round(sum(device_ms(event) for event in kernels), 1),
         "profile_kernel_launches": sum(event.count for event in kernels),
@@ -142,17 +142,20 @@ def milliseconds(run, repeats: int) -> list[float]:
 
 
 def swap_text_decoder(loaded, graphed: bool) -> None:
-    """Put the engine's GraphedTextDecoder in place (graphed) or the eager decoder it wraps (not graphed)."""
+    """Put the engine's PackedTextDecoder in place (graphed) or transformers' own decoder it wraps, with its own
+    attention (not graphed): the path before the engine."""
     thinker = loaded.model.thinker
     for name, module in list(thinker.named_modules()):
-        if isinstance(module, serve_clef.GraphedTextDecoder) or type(module).__name__ == "Qwen3OmniMoeThinkerTextModel":
+        if isinstance(module, serve_clef.PackedTextDecoder) or type(module).__name__ == "Qwen3OmniMoeThinkerTextModel":
             parent_name, _, attribute = name.rpartition(".")
             parent = thinker.get_submodule(parent_name) if parent_name else thinker
-            if isinstance(module, serve_clef.GraphedTextDecoder) and not graphed:
-                loaded.graphed_decoder = module
+            if isinstance(module, serve_clef.PackedTextDecoder) and not graphed:
+                loaded.packed_decoder = module
+                module.decoder.config._attn_implementation = "sdpa"
                 setattr(parent, attribute, module.decoder)
-            elif not isinstance(module, serve_clef.GraphedTextDecoder) and graphed:
-                setattr(parent, attribute, loaded.graphed_decoder)
+            elif not isinstance(module, serve_clef.PackedTextDecoder) and graphed:
+                module.config._attn_implementation = serve_clef.PACKED_ATTENTION
+                setattr(parent, attribute, loaded.packed_decoder)
             return
 
 

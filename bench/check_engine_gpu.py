@@ -1,22 +1,24 @@
-"""GPU check of the engine's CUDA-graphed text decoder on `synthetic:full`, with the noise floor it is judged by.
+"""GPU check of the engine on `synthetic:full`: packed batches and CUDA graphs against transformers' own decoder, with
+the noise floor they are judged by, then first-sight latency, a profile and batch throughput.
 
-On new requests (text of 90 to 3,000 tokens, image, audio, video), the answers of one loaded model are compared
-across four ways of running its text decoder:
+On new requests (text of 90 to 3,000 tokens, image, audio, video), the answers of one loaded model are compared:
 
-- eager, with cuDNN attention (as before the engine);
-- eager, without cuDNN attention (what the engine allows);
-- padded to the request's bucket, eager;
-- padded, replayed from the bucket's CUDA graph (as served).
+- transformers' own text decoder, eager, with cuDNN attention and without it: the two differ only in the attention
+  kernel, and that difference is the BF16 noise floor of this random model;
+- the engine, each record alone (padded to its bucket, replayed from the bucket's CUDA graph where it has one);
+- the engine, all records in one packed forward (eager where deepstack image features are in the batch).
 
-The first pair differs only in the attention kernel: that difference is the BF16 noise floor on this random model,
-and the graphs are gated against it (max |dp| of graphs vs eager at most twice the floor, plus 0.005). Then
-first-sight latency and a profile of one new 516-token decision, served with the graphs.
+Gates (exit status 1 when one fails): engine alone vs transformers' decoder and the batch vs each record alone, at
+most twice the floor plus 0.005; the same request and the same batch bit-identical run after run.
 
-Usage: python3 bench/check_engine_gpu.py   (exit status 1 when a gate fails)
+Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json when OUT is set)
 """
 
+import json
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_clef  # noqa: E402
 from bench_serve import media_requests, profile_decision, swap_text_decoder, text_request, timed_decision  # noqa: E402
+
+PROFILED_KERNELS_REPORTED = 12
 
 
 def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
@@ -41,50 +45,118 @@ def main() -> int:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
     loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
     tokenizer = loaded.processor.tokenizer
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "transformers": serve_clef.transformers.__version__, "load_s": round(loaded.load_s, 1),
+               "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+               "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
 
-    def answers(requests):
+    def alone(requests):
         return [serve_clef.decide(loaded, request, args.max_length)["answers"] for request in requests]
+
+    def batched(requests):
+        prepared = [serve_clef.prepare(loaded, request, args.max_length) for request in requests]
+        logits = serve_clef.score_records(loaded, [record.encoded for record in prepared])
+        return [serve_clef.answer(loaded, record, record_logits)["answers"]
+                for record, record_logits in zip(prepared, logits)]
 
     requests = [text_request(tokenizer, target, 7000 + target) for target in (90, 515, 1500, 3000)]
     requests += list(media_requests().values())
-    graphed = answers(requests)
-    repeated = answers(requests)
-    decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.GraphedTextDecoder))
-    graphs, decoder.graphs = decoder.graphs, {}
-    padded = answers(requests)  # the same padding, run eagerly
-    decoder.graphs = graphs
+    text_only = requests[:4]
+    engine_alone, engine_alone_again = alone(requests), alone(requests)
+    engine_batch, engine_batch_again = batched(requests), batched(requests)
+    text_batch = batched(text_only)  # no deepstack: the packed batch replays a graph
     swap_text_decoder(loaded, graphed=False)
-    eager_flash = answers(requests)
+    stock = alone(requests)
     torch.backends.cuda.enable_cudnn_sdp(True)
-    eager_cudnn = answers(requests)
+    stock_cudnn = alone(requests)
     torch.backends.cuda.enable_cudnn_sdp(False)
     swap_text_decoder(loaded, graphed=True)
 
-    floor = largest_difference(eager_cudnn, eager_flash)
+    floor = largest_difference(stock_cudnn, stock)
+    gate = 2 * floor + 0.005
     differences = {
-        "eager: cuDNN vs other attention (noise floor)": floor,
-        "padded eager vs unpadded eager": largest_difference(padded, eager_flash),
-        "graphs vs padded eager": largest_difference(graphed, padded),
-        "graphs vs unpadded eager": largest_difference(graphed, eager_flash),
+        "noise floor: transformers' decoder, cuDNN vs other attention": floor,
+        "engine alone (graphs) vs transformers' decoder": largest_difference(engine_alone, stock),
+        "engine batch of 7 (eager, images in it) vs engine alone": largest_difference(engine_batch, engine_alone),
+        "engine batch of 4 texts (graph) vs engine alone": largest_difference(text_batch, engine_alone[:4]),
+        "engine batch of 7 vs transformers' decoder": largest_difference(engine_batch, stock),
     }
     for name, value in differences.items():
         print(f"max |dp|, {name}: {value:.4f}")
-    gate = 2 * floor + 0.005
-    passed = differences["graphs vs unpadded eager"] <= gate and graphed == repeated
-    print(f"graphs vs eager within {gate:.4f}: {differences['graphs vs unpadded eager'] <= gate}; repeats "
-          f"bit-identical: {graphed == repeated}")
+    checks = {
+        "engine alone within the gate": differences["engine alone (graphs) vs transformers' decoder"] <= gate,
+        "batch of 7 within the gate": differences["engine batch of 7 (eager, images in it) vs engine alone"] <= gate,
+        "batch of 4 within the gate": differences["engine batch of 4 texts (graph) vs engine alone"] <= gate,
+        "alone bit-identical run after run": engine_alone == engine_alone_again,
+        "batch bit-identical run after run": engine_batch == engine_batch_again,
+    }
+    embedding = loaded.model.thinker.get_input_embeddings()
+    token_ids = torch.randint(0, embedding.weight.shape[0], (3, 100), device="cuda")
+    checks["input embeddings on the host, lookups equal the table's rows"] = (
+        isinstance(embedding, serve_clef.HostEmbedding)
+        and torch.equal(embedding(token_ids), embedding.weight.to("cuda")[token_ids])
+    )
+    for name, passed in checks.items():
+        print(f"{name} (gate {gate:.4f}): {passed}")
+    results.update(differences=differences, checks=checks, gate=gate)
 
     decide = lambda request: serve_clef.decide(loaded, request, args.max_length)  # noqa: E731
-    for target, seeds in ((512, range(20, 28)), (2048, range(30, 34))):
-        times = [timed_decision(decide, text_request(tokenizer, target + 7 * i, seed))[0]
-                 for i, seed in enumerate(seeds)]
-        print(f"~{target} tokens, new lengths, graphs: median {statistics.median(times):.1f} ms "
-              f"({', '.join(f'{t:.0f}' for t in times)})")
-    profile = profile_decision(decide, text_request(tokenizer, 516, 4242))
-    print(f"516 tokens: GPU busy {profile['profile_gpu_busy_ms']} ms, {profile['profile_kernel_launches']} launches; "
-          f"top {profile['profile_top_kernels'][:4]}")
-    print(f"serving peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (load included)")
+    # The baseline first, in the same process: transformers' own decoder op by op, with cuDNN attention as before the
+    # engine; then the engine. Each set is new requests of new lengths, each timed once.
+    for engine in (False, True):
+        swap_text_decoder(loaded, graphed=engine)
+        torch.backends.cuda.enable_cudnn_sdp(not engine)
+        name = "engine" if engine else "before the engine (op by op, cuDNN attention)"
+        for target, first_seed in ((512, 20 + 100 * engine), (2048, 40 + 100 * engine)):
+            times = [timed_decision(decide, text_request(tokenizer, target + 7 * i, first_seed + i))[0]
+                     for i in range(8 if target == 512 else 4)]
+            results[f"text_{target}_first_sight_ms, {name}"] = round(statistics.median(times), 1)
+            print(f"~{target} tokens, new lengths, {name}: median {statistics.median(times):.1f} ms "
+                  f"({', '.join(f'{t:.0f}' for t in times)})")
+    for name, request in media_requests().items():
+        times = [timed_decision(decide, request)[0] for _ in range(3)]
+        results[f"{name}_ms"] = round(statistics.median(times), 1)
+        print(f"{name}: median of 3 {statistics.median(times):.1f} ms")
+
+    results["serving_peak_alone_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    profile = profile_decision(decide, text_request(tokenizer, 516, 4242), PROFILED_KERNELS_REPORTED)
+    results["profile_516"] = profile
+    print(f"516 tokens: GPU busy {profile['profile_gpu_busy_ms']} ms, {profile['profile_kernel_launches']} launches")
+    for kernel in profile["profile_top_kernels"]:
+        print("   ", kernel)
+    stage_timings = {}
+    serve_clef.decide(loaded, text_request(tokenizer, 516, 4244), args.max_length, stage_timings)
+    results["stages_516_ms"] = {stage: round(seconds * 1000, 2) for stage, seconds in stage_timings.items()}
+    print(f"516 tokens, stages: {results['stages_516_ms']}")
+
+    # Throughput of one packed forward: 16 distinct ~500-token records (under 8,192 tokens: the largest graph)
+    prepared = [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), args.max_length)
+                for i in range(16)]
+    tokens = sum(record.tokens for record in prepared)
+    for records in (1, 4, 16):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        serve_clef.score_records(loaded, [record.encoded for record in prepared[:records]])
+        torch.cuda.synchronize()
+        batch_ms = (time.perf_counter() - start) * 1000
+        batch_tokens = sum(record.tokens for record in prepared[:records])
+        results[f"forward_{records}_records_ms"] = round(batch_ms, 1)
+        print(f"one forward of {records} records ({batch_tokens} tokens): {batch_ms:.1f} ms, "
+              f"{batch_tokens / batch_ms * 1000:,.0f} tokens/s")
+    profile = profile_decision(lambda _: serve_clef.score_records(loaded, [r.encoded for r in prepared]), None,
+                               PROFILED_KERNELS_REPORTED)
+    results["profile_batch_16"] = {**profile, "tokens": tokens}
+    print(f"16 records ({tokens} tokens): GPU busy {profile['profile_gpu_busy_ms']} ms")
+    for kernel in profile["profile_top_kernels"]:
+        print("   ", kernel)
+    results["serving_peak_batches_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(f"GPU memory after load {results['after_load_gib']} GiB; serving peak: records alone "
+          f"{results['serving_peak_alone_gib']} GiB, with the batches {results['serving_peak_batches_gib']} GiB")
+    passed = all(checks.values())
     print("ok" if passed else "FAILED")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "check_engine_gpu.json").write_text(json.dumps(results, indent=2))
     return 0 if passed else 1
 
 
