@@ -106,7 +106,8 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
     global_scale).
 
     packed_codes uint8 [E, O, K/2] (element 2i in the low nibble), block_scales float8_e4m3fn [E, O, K/16],
-    global_scale fp32 [E] -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
+    global_scale fp32 [E], or [E, G] for G equal groups of rows with their own scale (gate rows, then up rows)
+    -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
     """
     num_experts, rows, half_columns = packed_codes.shape
     codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).view(num_experts, rows, 2 * half_columns)
@@ -118,7 +119,9 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
     halves = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
     magnitude = halves.float() * 0.5
     values = torch.where(codes >= 8, -magnitude, magnitude)  # [E, O, K]
-    per_block = block_scales.float() * global_scale[:, None, None]  # [E, O, K/16]
+    row_groups = global_scale.view(num_experts, -1, 1, 1)  # [E, G, 1, 1]
+    per_block = block_scales.float().view(num_experts, row_groups.shape[1], -1, block_scales.shape[-1]) * row_groups
+    per_block = per_block.view(block_scales.shape)  # [E, O, K/16]
     weight = values.view(num_experts, rows, -1, 16) * per_block.unsqueeze(-1)  # [E, O, K/16, 16]
     return weight.view(num_experts, rows, 2 * half_columns).to(torch.bfloat16)
 
@@ -134,9 +137,9 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
     """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (docs/nvfp4-format.md §2.3), in their own
     dtype.
 
-    Static per-tensor `input_scale` (the layer's calibrated global scale), dynamic e4m3 scales per 16 values along K,
-    E2M1 magnitudes rounded to nearest with ties to even. Operation order follows ModelOpt's Triton kernel
-    (fp4_fake_quant_block).
+    Static per-tensor `input_scale` (the calibrated global scale: 0-d, or [..., 1, 1] for one per row of a [..., K]
+    input), dynamic e4m3 scales per 16 values along K, E2M1 magnitudes rounded to nearest with ties to even.
+    Operation order follows ModelOpt's Triton kernel (fp4_fake_quant_block).
     """
     blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
     input_scale = torch.where(input_scale > 0, input_scale, 1e-12)
@@ -152,6 +155,18 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
 
 # Eager, the replay is a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
 fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activations, dynamic=True)
+
+
+def fake_quant(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """fake_quant_nvfp4_activations, compiled on CUDA."""
+    replay = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
+    return replay(activations, input_scale)
+
+
+def replay_nvfp4_input_rounding(linear: torch.nn.Module, input_scale: torch.Tensor) -> None:
+    """--simulate-fp4-activations on an NVFP4 linear outside the experts (unpacked to BF16 at load): its input is
+    rounded as it was calibrated, the static `input_scale` with dynamic per-16 block scales."""
+    linear.register_forward_pre_hook(lambda module, args: (fake_quant(args[0], input_scale), *args[1:]))
 
 
 # ==== packed-expert kernels (Triton) ==================================================================================
@@ -229,19 +244,44 @@ def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.
 
 
 @triton.jit
-def nvfp4_round_activations_kernel(activations_ptr, input_scale_ptr, out_ptr, COLUMNS: tl.constexpr):
-    """One row of BF16 activations [T, COLUMNS] per program, rounded to NVFP4 with the static input scale."""
-    columns = tl.program_id(0).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)[None, :]  # [1, C]
-    row = tl.load(activations_ptr + columns).to(tl.float32)
-    tl.store(out_ptr + columns, _round_activations_to_nvfp4(row, tl.load(input_scale_ptr), 1, COLUMNS))
+def nvfp4_round_activations_kernel(
+    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, COLUMNS: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
+):
+    """One output row per program: row `row // rows_per_input` of BF16 activations [T, COLUMNS], rounded to NVFP4
+    with the static input scale (PER_EXPERT: the scale of expert experts[row], else the one at input_scales_ptr)."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, COLUMNS)[None, :]  # [1, C]
+    x = tl.load(activations_ptr + (row // rows_per_input) * COLUMNS + columns).to(tl.float32)
+    if PER_EXPERT:
+        input_scale = tl.load(input_scales_ptr + tl.load(experts_ptr + row))
+    else:
+        input_scale = tl.load(input_scales_ptr)
+    tl.store(out_ptr + row * COLUMNS + columns, _round_activations_to_nvfp4(x, input_scale, 1, COLUMNS))
 
 
-def round_activations_to_nvfp4(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input, once
-    per token (the layer's input scale is shared by its experts), before the packed gate_up kernel."""
-    out = torch.empty_like(activations)  # [T, H]
-    nvfp4_round_activations_kernel[(activations.shape[0],)](activations.contiguous(), input_scale.float().reshape(1),
-                                                             out, COLUMNS=activations.shape[1])
+def round_activations_to_nvfp4(
+    activations: torch.Tensor, input_scale: torch.Tensor, top_k_index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input before
+    the packed gate_up kernel.
+
+    Without top_k_index: once per token with one input scale (0-d or [1]; a layer whose experts share it) -> [T, H].
+    With top_k_index [T, K]: once per (token, expert) pair with each expert's own input_scale [E] -> [S, H], the
+    rows in pair order (token * K + k).
+    """
+    activations = activations.contiguous()
+    num_tokens, hidden = activations.shape
+    input_scale = input_scale.float().reshape(-1)
+    if top_k_index is None:
+        out = torch.empty_like(activations)  # [T, H]
+        nvfp4_round_activations_kernel[(num_tokens,)](activations, input_scale, input_scale, out, 1, COLUMNS=hidden,
+                                                      PER_EXPERT=False)
+        return out
+    out = activations.new_empty(top_k_index.numel(), hidden)  # [S, H]
+    nvfp4_round_activations_kernel[(top_k_index.numel(),)](
+        activations, input_scale, top_k_index.reshape(-1), out, top_k_index.shape[1], COLUMNS=hidden, PER_EXPERT=True,
+    )
     return out
 
 
@@ -275,15 +315,16 @@ def _packed_partial_product(
 
 @triton.jit
 def nvfp4_gate_up_kernel(
-    hidden_states_ptr,  # BF16 [T, H]
+    hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
     slot_pairs_ptr,  # int32 [P]: the pair (token * K + k) in each padded slot, -1 for padding
     tile_experts_ptr,  # int32 [P / BLOCK_R]: the expert of each row tile, E for tiles past the last
     packed_codes_ptr,  # uint8 [E, 2I, H/2]: gate rows, then up rows
     block_scales_ptr,  # e4m3 as uint8 [E, 2I, H/16]
-    global_scale_ptr,  # fp32 [E]
+    global_scale_ptr,  # fp32 [E, 2]: each expert's gate and up global scales
     down_input_scale_ptr, down_input_scale_stride,  # fp32, the expert's at down_input_scale_ptr + expert * stride
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot, rounded to NVFP4 under SIMULATE_FP4
-    num_experts, hidden, width, top_k,
+    num_experts, hidden, width,
+    pairs_per_row,  # K when hidden_states has a row per token, 1 when it has a row per pair
     SIMULATE_FP4: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -293,7 +334,7 @@ def nvfp4_gate_up_kernel(
         return
     slots = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(slot_pairs_ptr + slots)
-    tokens = tl.where(pairs >= 0, pairs // top_k, 0).to(tl.int64)  # [R]
+    tokens = tl.where(pairs >= 0, pairs // pairs_per_row, 0).to(tl.int64)  # [R]: rows of hidden_states
     columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
     gate_rows = expert.to(tl.int64) * 2 * width + columns
     gate = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -305,9 +346,8 @@ def nvfp4_gate_up_kernel(
                                         BLOCK_N, BLOCK_C)
         up += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0, FP32_DOT,
                                       BLOCK_N, BLOCK_C)
-    global_scale = tl.load(global_scale_ptr + expert)
-    gate = _round_to_bf16(gate * global_scale).to(tl.float32)
-    up = _round_to_bf16(up * global_scale).to(tl.float32)
+    gate = _round_to_bf16(gate * tl.load(global_scale_ptr + 2 * expert)).to(tl.float32)
+    up = _round_to_bf16(up * tl.load(global_scale_ptr + 2 * expert + 1)).to(tl.float32)
     activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
     intermediate = _round_to_bf16(activated * up)  # [R, N]
     if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
@@ -412,6 +452,46 @@ def fitted_block(block: int, size: int) -> int:
     return block
 
 
+E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
+
+
+def checked_nvfp4_tensor(
+    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
+    repair_nan_scales: bool,
+) -> tuple[torch.Tensor, int]:
+    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
+    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
+    `repair_nan_scales`) and how many blocks were repaired."""
+
+    def fail(problem: str) -> None:
+        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+    if field == "weight":
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+        return tensor, 0
+    if field == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
+        repaired = int(nan_blocks.sum())
+        if repaired and not repair_nan_scales:
+            fail(
+                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
+                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
+                "448 (the largest e4m3 value)"
+            )
+        if repaired:
+            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
+        return tensor, repaired
+    if tensor.dtype != torch.float32 or tensor.numel() != 1:
+        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+    value = tensor.reshape(())
+    if not torch.isfinite(value) or value <= 0:
+        fail(f"scale {value.item()} must be finite and positive")
+    return value, 0
+
+
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
 
@@ -434,20 +514,39 @@ class PackedNVFP4Experts(torch.nn.Module):
         # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
         self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
         self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=e4m3))
-        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=fp32))
+        # gate's and up's own weight_scale_2: ModelOpt >= 0.43 writes them equal, older exports and compressed-tensors
+        # ones need not (docs/nvfp4-format.md §3.2)
+        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, 2, dtype=fp32))
         self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
         self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
         self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
-        # The layer's shared activation scales (one input quantizer per projection type per layer,
-        # docs/nvfp4-format.md §3.2).
-        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
-        self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
+        # Each expert's calibrated activation scales (W4A4). ModelOpt >= 0.43 gives every expert of a layer the same
+        # one per projection type; older ModelOpt and compressed-tensors exports give each expert its own (§3.2).
+        self.register_buffer("gate_up_input_scale", torch.zeros(num_experts, dtype=fp32))
+        self.register_buffer("down_input_scale", torch.zeros(num_experts, dtype=fp32))
+        self.repair_nan_scales = False  # --repair-nan-scales
+        self.repaired_nan_blocks = 0
         self.stored = set()  # (expert, projection, field) received so far
-        self.first_input_scale_name = {}  # "gate_up" / "down" -> checkpoint name that set the layer's input scale
+        self.input_scale_values = {"gate_up": set(), "down": set()}  # the distinct input scales stored, per group
+        self.unequal_gate_up_input_scale = None  # checkpoint name of an input scale that differs from its partner's
+
+    @property
+    def gate_up_input_scales_shared(self) -> bool:
+        """All experts round the gate_up input with one scale, so it is rounded once per token, not per pair."""
+        return len(self.input_scale_values["gate_up"]) <= 1
+
+    @property
+    def down_input_scales_shared(self) -> bool:
+        return len(self.input_scale_values["down"]) <= 1
+
+    @property
+    def expected_tensor_count(self) -> int:
+        return self.num_experts * 3 * (3 + self.has_input_scales)
 
     @torch.no_grad()
     def store(self, expert: int, projection: str, field: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
-        """Put one checkpoint tensor of one expert in place, checking dtype, shape, NaN bytes and scale equalities."""
+        """Put one tensor of one expert in place (ModelOpt's names and convention, docs/nvfp4-format.md §2), checking
+        dtype, shape, NaN bytes and scale values."""
         group = "down" if projection == "down_proj" else "gate_up"
         rows = slice(0, None)
         if projection == "gate_proj":
@@ -456,48 +555,25 @@ class PackedNVFP4Experts(torch.nn.Module):
             rows = slice(self.width, 2 * self.width)
         in_features = self.width if group == "down" else self.hidden
         out_features = self.hidden if group == "down" else self.width
-
-        def fail(problem: str) -> None:
-            raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
+        tensor, repaired = checked_nvfp4_tensor(field, tensor, out_features, in_features, checkpoint_name,
+                                                self.repair_nan_scales)
+        self.repaired_nan_blocks += repaired
         if field == "weight":
-            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
             getattr(self, f"{group}_packed_codes")[expert, rows].copy_(tensor)
         elif field == "weight_scale":
-            if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-            if ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
-                fail("NaN block scale bytes (0x7F/0xFF) as ModelOpt < 0.47 wrote them: re-export with ModelOpt >= 0.47")
             getattr(self, f"{group}_block_scales")[expert, rows].copy_(tensor)
-        else:
-            if tensor.dtype != torch.float32 or tensor.numel() != 1:
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-            value = tensor.reshape(()).to(self.gate_up_global_scale.device)
-            if not torch.isfinite(value) or value <= 0:
-                fail(f"scale {value.item()} must be finite and positive")
-            if field == "weight_scale_2":
-                global_scale = getattr(self, f"{group}_global_scale")
-                partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
-                if (expert, partner, field) in self.stored and global_scale[expert] != value:
-                    fail(
-                        f"{value.item()} differs from the {partner} weight_scale_2 {global_scale[expert].item()} of "
-                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up "
-                        "(docs/nvfp4-format.md §3.2): re-export with nvidia-modelopt>=0.47"
-                    )
-                global_scale[expert] = value
-            elif not self.has_input_scales:
-                fail("input_scale in a W4A16_NVFP4 export (weight-only exports have none); fix hf_quant_config.json")
+        elif field == "weight_scale_2":
+            if group == "down":
+                self.down_global_scale[expert] = tensor
             else:
-                input_scale = getattr(self, f"{group}_input_scale")
-                if group in self.first_input_scale_name and input_scale != value:
-                    fail(
-                        f"input_scale {value.item()} differs from {self.first_input_scale_name[group]} = "
-                        f"{input_scale.item()}; ModelOpt shares one input quantizer for gate and up of all experts of "
-                        "a layer and one for down (docs/nvfp4-format.md §3.2), so this export is broken: re-export it"
-                    )
-                self.first_input_scale_name.setdefault(group, checkpoint_name)
-                input_scale.copy_(value)
+                self.gate_up_global_scale[expert, int(projection == "up_proj")] = tensor
+        else:
+            input_scale = getattr(self, f"{group}_input_scale")
+            partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
+            if (expert, partner, field) in self.stored and input_scale[expert] != tensor:
+                self.unequal_gate_up_input_scale = checkpoint_name
+            input_scale[expert] = tensor
+            self.input_scale_values[group].add(tensor.item())
         self.stored.add((expert, projection, field))
 
     def missing_tensors(self, experts_name: str) -> list[str]:
@@ -524,15 +600,12 @@ class PackedNVFP4Experts(torch.nn.Module):
         experts.gate_up_proj.copy_(gate_up_proj)
         experts.down_proj.copy_(down_proj)
 
-    def fake_quant(self, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-        fake_quant = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
-        return fake_quant(activations, input_scale)
-
-    def apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:  # [S, 2I] -> [S, I]
+    def apply_gate(self, gate_up_out: torch.Tensor, down_input_scale: torch.Tensor) -> torch.Tensor:
+        # gate_up_out [S, 2I] -> [S, I]; down_input_scale 0-d, or [S, 1, 1] for the expert of each row
         gate, up = gate_up_out.chunk(2, dim=-1)
         intermediate = self.act_fn(gate) * up
         if self.simulate_fp4_activations:
-            intermediate = self.fake_quant(intermediate, self.down_input_scale)
+            intermediate = fake_quant(intermediate, down_input_scale)
         return intermediate
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -551,14 +624,18 @@ class PackedNVFP4Experts(torch.nn.Module):
             FP32_DOT=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
-        if self.simulate_fp4_activations:
-            hidden_states = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale)
+        gate_up_input, pairs_per_row = hidden_states, top_k
+        if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
+            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1])  # [T, H]
+        elif self.simulate_fp4_activations:  # each expert's own input scale: a rounded row per pair
+            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale, top_k_index)  # [S, H]
+            pairs_per_row = 1
         gate_up_columns = fitted_block(tiles.columns, self.width)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
-            hidden_states.contiguous(), slot_pairs, tile_experts,
+            gate_up_input.contiguous(), slot_pairs, tile_experts,
             self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
-            self.down_input_scale, 0, intermediate, self.num_experts, self.hidden, self.width, top_k,
+            self.down_input_scale, 1, intermediate, self.num_experts, self.hidden, self.width, pairs_per_row,
             SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
             BLOCK_C=fitted_block(tiles.reduced, self.hidden), **common,
         )
@@ -586,8 +663,21 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.forward_packed(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
 
     def forward_unpacked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.simulate_fp4_activations:
-            hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
+        num_tokens, top_k = top_k_index.shape
+        gate_up_input, experts_index, routing_weights = hidden_states, top_k_index, top_k_weights
+        down_input_scale = self.down_input_scale[0]
+        if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
+            gate_up_input = fake_quant(hidden_states, self.gate_up_input_scale[0])
+        elif self.simulate_fp4_activations:
+            # Each expert rounds its input with its own scale: one row per (token, expert) pair, which the grouped_mm
+            # function below sees as S tokens routed to one expert each.
+            pair_experts = top_k_index.reshape(-1)  # [S]
+            gate_up_input = fake_quant(hidden_states.repeat_interleave(top_k, dim=0),
+                                       self.gate_up_input_scale[pair_experts][:, None, None])  # [S, H]
+            experts_index, routing_weights = top_k_index.reshape(-1, 1), top_k_weights.reshape(-1, 1)  # [S, 1]
+        if self.simulate_fp4_activations and not self.down_input_scales_shared:
+            # the function applies the gate to the pairs sorted by expert
+            down_input_scale = self.down_input_scale[top_k_index.reshape(-1).sort().values][:, None, None]  # [S, 1, 1]
         gate_up_proj, down_proj = self.unpacked()
         # The attributes transformers' grouped_mm experts function reads from a stock experts module
         # (docs/nvfp4-format.md §8.3).
@@ -600,11 +690,14 @@ class PackedNVFP4Experts(torch.nn.Module):
             has_post_expert_norm=False,
             _is_expert_parallel=False,
             act_fn=self.act_fn,
-            _apply_gate=self.apply_gate,
+            _apply_gate=lambda gate_up_out: self.apply_gate(gate_up_out, down_input_scale),
             gate_up_proj=gate_up_proj,
             down_proj=down_proj,
         )
-        return grouped_mm_experts_forward(stock_experts_view, hidden_states, top_k_index, top_k_weights)
+        out = grouped_mm_experts_forward(stock_experts_view, gate_up_input, experts_index, routing_weights)
+        if experts_index is not top_k_index:  # one row per pair: sum each token's K rows as the function would
+            out = out.view(num_tokens, top_k, self.hidden).sum(dim=1)
+        return out
 
 
 # ==== checkpoint loading ==============================================================================================
