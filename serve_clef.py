@@ -1087,8 +1087,9 @@ def load_thinker_weights(
     linear_input_scales = {}  # module name -> input scale of the W4A4 ones
     expert_tensors_per_layer = {name: 0 for name in experts}
     num_experts = thinker.config.text_config.num_experts
-    unused = {"KV-cache scales": 0, "input scales of weight-only layers": 0}
+    unused_kv_cache_scales, unused_input_scales = 0, 0
     repaired_nan_blocks, unpacked_linears = 0, 0
+    w4a4_linears = set()  # NVFP4 modules outside the experts whose metadata says W4A4
     tensor_count, byte_count, layers_done, start = 0, 0, 0, time.perf_counter()
     for checkpoint_name, tensor in tensors:
         if is_talker_tensor(checkpoint_name):
@@ -1097,7 +1098,7 @@ def load_thinker_weights(
         byte_count += tensor.nbytes
         module_on_disk, _, field = checkpoint_name.rpartition(".")
         if field in KV_CACHE_SCALE_FIELDS:
-            unused["KV-cache scales"] += 1
+            unused_kv_cache_scales += 1
             continue
         if kind.compressed_tensors and field in COMPRESSED_TENSORS_FIELDS:
             if field != "weight_packed":
@@ -1118,7 +1119,7 @@ def load_thinker_weights(
                     f"{module_on_disk} is not quantized; fix its exclude/ignore list (or quantized_layers)"
                 )
             if field == "input_scale" and algo != "NVFP4":
-                unused["input scales of weight-only layers"] += 1
+                unused_input_scales += 1
                 continue
         name = thinker_tensor_name(f"{module_on_disk}.weight" if nvfp4_part else checkpoint_name, live_names,
                                    experts_names)
@@ -1148,18 +1149,21 @@ def load_thinker_weights(
                          f"({tensor_count} tensors, {byte_count / 2**30:.2f} GiB read)")
         elif nvfp4_part:
             out_features, in_features = targets[name].shape
-            fields = ("weight", "weight_scale", "weight_scale_2") + (("input_scale",) if algo == "NVFP4" else ())
-            parts = linear_parts.setdefault(name, dict.fromkeys(fields))
-            parts[field], repaired = checked_nvfp4_tensor(field, tensor, out_features, in_features, checkpoint_name,
-                                                          repair_nan_scales)
+            checked, repaired = checked_nvfp4_tensor(field, tensor, out_features, in_features, checkpoint_name,
+                                                     repair_nan_scales)
             repaired_nan_blocks += repaired
+            if field == "input_scale":
+                linear_input_scales[name.removesuffix(".weight")] = checked.to(targets[name].device)
+                continue
+            if algo == "NVFP4":
+                w4a4_linears.add(name.removesuffix(".weight"))
+            parts = linear_parts.setdefault(name, dict.fromkeys(("weight", "weight_scale", "weight_scale_2")))
+            parts[field] = checked
             if all(part is not None for part in parts.values()):  # all in: unpack once, to BF16
                 weight = unpack_nvfp4(parts["weight"][None], parts["weight_scale"][None], parts["weight_scale_2"][None])
                 targets[name].copy_(weight[0])  # [out, in]
                 filled.add(name)
                 unpacked_linears += 1
-                if "input_scale" in parts:
-                    linear_input_scales[name.removesuffix(".weight")] = parts["input_scale"].to(targets[name].device)
                 del linear_parts[name]
         else:
             if tuple(tensor.shape) != tuple(targets[name].shape) or not tensor.dtype.is_floating_point:
@@ -1198,14 +1202,19 @@ def load_thinker_weights(
     progress(f"thinker loaded: {tensor_count} tensors, {byte_count / 2**30:.2f} GiB in {load_s:.1f} s")
     if unpacked_linears:
         progress(f"{unpacked_linears} NVFP4 linears outside the experts unpacked to BF16")
+    uncalibrated = w4a4_linears - set(linear_input_scales)
+    if uncalibrated:
+        progress(f"{len(uncalibrated)} W4A4 linears outside the experts have no input_scale (their input quantizer "
+                 f"was never calibrated, e.g. {min(uncalibrated)}): --simulate-fp4-activations leaves their inputs "
+                 "in BF16")
     if repaired_nan_blocks:
         progress(f"--repair-nan-scales: {repaired_nan_blocks} NaN block scales (0x7F/0xFF) loaded as 448")
-    if unused["KV-cache scales"]:
-        progress(f"{unused['KV-cache scales']} KV-cache scales (k_scale/v_scale) skipped: unused, serve_clef keeps "
-                 "its KV cache in BF16")
-    if unused["input scales of weight-only layers"]:
-        progress(f"{unused['input scales of weight-only layers']} input_scale tensors of weight-only (W4A16) layers "
-                 "ignored: weight-only serving never uses them")
+    if unused_kv_cache_scales:
+        progress(f"{unused_kv_cache_scales} KV-cache scales (k_scale/v_scale) skipped: unused, serve_clef keeps its "
+                 "KV cache in BF16")
+    if unused_input_scales:
+        progress(f"{unused_input_scales} input_scale tensors of weight-only (W4A16) layers ignored: weight-only "
+                 "serving never uses them")
     return linear_input_scales
 
 
