@@ -667,9 +667,10 @@ class PackedNVFP4Experts(torch.nn.Module):
         num_tokens, top_k = top_k_index.shape
         gate_up_input, experts_index, routing_weights = hidden_states, top_k_index, top_k_weights
         down_input_scale = self.down_input_scale[0]
-        if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
+        row_per_pair = self.simulate_fp4_activations and not self.gate_up_input_scales_shared
+        if self.simulate_fp4_activations and not row_per_pair:
             gate_up_input = fake_quant(hidden_states, self.gate_up_input_scale[0])
-        elif self.simulate_fp4_activations:
+        elif row_per_pair:
             # Each expert rounds its input with its own scale: one row per (token, expert) pair, which the grouped_mm
             # function below sees as S tokens routed to one expert each.
             pair_experts = top_k_index.reshape(-1)  # [S]
@@ -696,7 +697,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             down_proj=down_proj,
         )
         out = grouped_mm_experts_forward(stock_experts_view, gate_up_input, experts_index, routing_weights)
-        if experts_index is not top_k_index:  # one row per pair: sum each token's K rows as the function would
+        if row_per_pair:  # sum each token's K rows, as the function does
             out = out.view(num_tokens, top_k, self.hidden).sum(dim=1)
         return out
 
