@@ -34,6 +34,7 @@ import binascii
 import concurrent.futures
 import contextlib
 import enum
+import fnmatch
 import gc
 import hmac
 import http
@@ -107,7 +108,8 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
     global_scale).
 
     packed_codes uint8 [E, O, K/2] (element 2i in the low nibble), block_scales float8_e4m3fn [E, O, K/16],
-    global_scale fp32 [E] -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
+    global_scale fp32 [E], or [E, G] for G equal groups of rows with their own scale (gate rows, then up rows)
+    -> BF16 [E, O, K]. Plain elementwise torch, so torch.compile fuses it into one kernel.
     """
     num_experts, rows, half_columns = packed_codes.shape
     codes = torch.stack((packed_codes & 0x0F, packed_codes >> 4), dim=-1).view(num_experts, rows, 2 * half_columns)
@@ -119,7 +121,9 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
     halves = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
     magnitude = halves.float() * 0.5
     values = torch.where(codes >= 8, -magnitude, magnitude)  # [E, O, K]
-    per_block = block_scales.float() * global_scale[:, None, None]  # [E, O, K/16]
+    row_groups = global_scale.view(num_experts, -1, 1, 1)  # [E, G, 1, 1]
+    per_block = block_scales.float().view(num_experts, row_groups.shape[1], -1, block_scales.shape[-1]) * row_groups
+    per_block = per_block.view(block_scales.shape)  # [E, O, K/16]
     weight = values.view(num_experts, rows, -1, 16) * per_block.unsqueeze(-1)  # [E, O, K/16, 16]
     return weight.view(num_experts, rows, 2 * half_columns).to(torch.bfloat16)
 
@@ -135,9 +139,9 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
     """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (docs/nvfp4-format.md §2.3), in their own
     dtype.
 
-    Static per-tensor `input_scale` (the layer's calibrated global scale), dynamic e4m3 scales per 16 values along K,
-    E2M1 magnitudes rounded to nearest with ties to even. Operation order follows ModelOpt's Triton kernel
-    (fp4_fake_quant_block).
+    Static per-tensor `input_scale` (the calibrated global scale: 0-d, or [..., 1, 1] for one per row of a [..., K]
+    input), dynamic e4m3 scales per 16 values along K, E2M1 magnitudes rounded to nearest with ties to even.
+    Operation order follows ModelOpt's Triton kernel (fp4_fake_quant_block).
     """
     blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
     input_scale = torch.where(input_scale > 0, input_scale, 1e-12)
@@ -153,6 +157,18 @@ def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.T
 
 # Eager, the replay is a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
 fake_quant_nvfp4_activations_compiled = torch.compile(fake_quant_nvfp4_activations, dynamic=True)
+
+
+def fake_quant(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """fake_quant_nvfp4_activations, compiled on CUDA."""
+    replay = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
+    return replay(activations, input_scale)
+
+
+def replay_nvfp4_input_rounding(linear: torch.nn.Module, input_scale: torch.Tensor) -> None:
+    """--simulate-fp4-activations on an NVFP4 linear outside the experts (unpacked to BF16 at load): its input is
+    rounded as it was calibrated, the static `input_scale` with dynamic per-16 block scales."""
+    linear.register_forward_pre_hook(lambda module, args: (fake_quant(args[0], input_scale), *args[1:]))
 
 
 # ==== packed-expert kernels (Triton) ==================================================================================
@@ -230,19 +246,44 @@ def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.
 
 
 @triton.jit
-def nvfp4_round_activations_kernel(activations_ptr, input_scale_ptr, out_ptr, COLUMNS: tl.constexpr):
-    """One row of BF16 activations [T, COLUMNS] per program, rounded to NVFP4 with the static input scale."""
-    columns = tl.program_id(0).to(tl.int64) * COLUMNS + tl.arange(0, COLUMNS)[None, :]  # [1, C]
-    row = tl.load(activations_ptr + columns).to(tl.float32)
-    tl.store(out_ptr + columns, _round_activations_to_nvfp4(row, tl.load(input_scale_ptr), 1, COLUMNS))
+def nvfp4_round_activations_kernel(
+    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, COLUMNS: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
+):
+    """One output row per program: row `row // rows_per_input` of BF16 activations [T, COLUMNS], rounded to NVFP4
+    with the static input scale (PER_EXPERT: the scale of expert experts[row], else the one at input_scales_ptr)."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, COLUMNS)[None, :]  # [1, C]
+    x = tl.load(activations_ptr + (row // rows_per_input) * COLUMNS + columns).to(tl.float32)
+    if PER_EXPERT:
+        input_scale = tl.load(input_scales_ptr + tl.load(experts_ptr + row))
+    else:
+        input_scale = tl.load(input_scales_ptr)
+    tl.store(out_ptr + row * COLUMNS + columns, _round_activations_to_nvfp4(x, input_scale, 1, COLUMNS))
 
 
-def round_activations_to_nvfp4(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input, once
-    per token (the layer's input scale is shared by its experts), before the packed gate_up kernel."""
-    out = torch.empty_like(activations)  # [T, H]
-    nvfp4_round_activations_kernel[(activations.shape[0],)](activations.contiguous(), input_scale.float().reshape(1),
-                                                             out, COLUMNS=activations.shape[1])
+def round_activations_to_nvfp4(
+    activations: torch.Tensor, input_scale: torch.Tensor, top_k_index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input before
+    the packed gate_up kernel.
+
+    Without top_k_index: once per token with one input scale (0-d or [1]; a layer whose experts share it) -> [T, H].
+    With top_k_index [T, K]: once per (token, expert) pair with each expert's own input_scale [E] -> [S, H], the
+    rows in pair order (token * K + k).
+    """
+    activations = activations.contiguous()
+    num_tokens, hidden = activations.shape
+    input_scale = input_scale.float().reshape(-1)
+    if top_k_index is None:
+        out = torch.empty_like(activations)  # [T, H]
+        nvfp4_round_activations_kernel[(num_tokens,)](activations, input_scale, input_scale, out, 1, COLUMNS=hidden,
+                                                      PER_EXPERT=False)
+        return out
+    out = activations.new_empty(top_k_index.numel(), hidden)  # [S, H]
+    nvfp4_round_activations_kernel[(top_k_index.numel(),)](
+        activations, input_scale, top_k_index.reshape(-1), out, top_k_index.shape[1], COLUMNS=hidden, PER_EXPERT=True,
+    )
     return out
 
 
@@ -276,15 +317,16 @@ def _packed_partial_product(
 
 @triton.jit
 def nvfp4_gate_up_kernel(
-    hidden_states_ptr,  # BF16 [T, H]
+    hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
     slot_pairs_ptr,  # int32 [P]: the pair (token * K + k) in each padded slot, -1 for padding
     tile_experts_ptr,  # int32 [P / BLOCK_R]: the expert of each row tile, E for tiles past the last
     packed_codes_ptr,  # uint8 [E, 2I, H/2]: gate rows, then up rows
     block_scales_ptr,  # e4m3 as uint8 [E, 2I, H/16]
-    global_scale_ptr,  # fp32 [E]
+    global_scale_ptr,  # fp32 [E, 2]: each expert's gate and up global scales
     down_input_scale_ptr, down_input_scale_stride,  # fp32, the expert's at down_input_scale_ptr + expert * stride
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot, rounded to NVFP4 under SIMULATE_FP4
-    num_experts, hidden, width, top_k,
+    num_experts, hidden, width,
+    pairs_per_row,  # K when hidden_states has a row per token, 1 when it has a row per pair
     SIMULATE_FP4: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -294,7 +336,7 @@ def nvfp4_gate_up_kernel(
         return
     slots = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(slot_pairs_ptr + slots)
-    tokens = tl.where(pairs >= 0, pairs // top_k, 0).to(tl.int64)  # [R]
+    tokens = tl.where(pairs >= 0, pairs // pairs_per_row, 0).to(tl.int64)  # [R]: rows of hidden_states
     columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
     gate_rows = expert.to(tl.int64) * 2 * width + columns
     gate = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
@@ -306,9 +348,8 @@ def nvfp4_gate_up_kernel(
                                         BLOCK_N, BLOCK_C)
         up += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0, FP32_DOT,
                                       BLOCK_N, BLOCK_C)
-    global_scale = tl.load(global_scale_ptr + expert)
-    gate = _round_to_bf16(gate * global_scale).to(tl.float32)
-    up = _round_to_bf16(up * global_scale).to(tl.float32)
+    gate = _round_to_bf16(gate * tl.load(global_scale_ptr + 2 * expert)).to(tl.float32)
+    up = _round_to_bf16(up * tl.load(global_scale_ptr + 2 * expert + 1)).to(tl.float32)
     activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
     intermediate = _round_to_bf16(activated * up)  # [R, N]
     if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
@@ -413,6 +454,46 @@ def fitted_block(block: int, size: int) -> int:
     return block
 
 
+E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
+
+
+def checked_nvfp4_tensor(
+    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
+    repair_nan_scales: bool,
+) -> tuple[torch.Tensor, int]:
+    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
+    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
+    `repair_nan_scales`) and how many blocks were repaired."""
+
+    def fail(problem: str) -> None:
+        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+    if field == "weight":
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+        return tensor, 0
+    if field == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
+        repaired = int(nan_blocks.sum())
+        if repaired and not repair_nan_scales:
+            fail(
+                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
+                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
+                "448 (the largest e4m3 value)"
+            )
+        if repaired:
+            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
+        return tensor, repaired
+    if tensor.dtype != torch.float32 or tensor.numel() != 1:
+        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+    value = tensor.reshape(())
+    if not torch.isfinite(value) or value <= 0:
+        fail(f"scale {value.item()} must be finite and positive")
+    return value, 0
+
+
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
 
@@ -435,20 +516,39 @@ class PackedNVFP4Experts(torch.nn.Module):
         # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
         self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
         self.register_buffer("gate_up_block_scales", torch.zeros(num_experts, 2 * width, hidden // 16, dtype=e4m3))
-        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, dtype=fp32))
+        # gate's and up's own weight_scale_2: ModelOpt >= 0.43 writes them equal, older exports and compressed-tensors
+        # ones need not (docs/nvfp4-format.md §3.2)
+        self.register_buffer("gate_up_global_scale", torch.zeros(num_experts, 2, dtype=fp32))
         self.register_buffer("down_packed_codes", torch.zeros(num_experts, hidden, width // 2, dtype=uint8))
         self.register_buffer("down_block_scales", torch.zeros(num_experts, hidden, width // 16, dtype=e4m3))
         self.register_buffer("down_global_scale", torch.zeros(num_experts, dtype=fp32))
-        # The layer's shared activation scales (one input quantizer per projection type per layer,
-        # docs/nvfp4-format.md §3.2).
-        self.register_buffer("gate_up_input_scale", torch.zeros((), dtype=fp32))
-        self.register_buffer("down_input_scale", torch.zeros((), dtype=fp32))
+        # Each expert's calibrated activation scales (W4A4). ModelOpt >= 0.43 gives every expert of a layer the same
+        # one per projection type; older ModelOpt and compressed-tensors exports give each expert its own (§3.2).
+        self.register_buffer("gate_up_input_scale", torch.zeros(num_experts, dtype=fp32))
+        self.register_buffer("down_input_scale", torch.zeros(num_experts, dtype=fp32))
+        self.repair_nan_scales = False  # --repair-nan-scales
+        self.repaired_nan_blocks = 0
         self.stored = set()  # (expert, projection, field) received so far
-        self.first_input_scale_name = {}  # "gate_up" / "down" -> checkpoint name that set the layer's input scale
+        self.input_scale_values = {"gate_up": set(), "down": set()}  # the distinct input scales stored, per group
+        self.unequal_gate_up_input_scale = None  # checkpoint name of an input scale that differs from its partner's
+
+    @property
+    def gate_up_input_scales_shared(self) -> bool:
+        """All experts round the gate_up input with one scale, so it is rounded once per token, not per pair."""
+        return len(self.input_scale_values["gate_up"]) <= 1
+
+    @property
+    def down_input_scales_shared(self) -> bool:
+        return len(self.input_scale_values["down"]) <= 1
+
+    @property
+    def expected_tensor_count(self) -> int:
+        return self.num_experts * 3 * (3 + self.has_input_scales)
 
     @torch.no_grad()
     def store(self, expert: int, projection: str, field: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
-        """Put one checkpoint tensor of one expert in place, checking dtype, shape, NaN bytes and scale equalities."""
+        """Put one tensor of one expert in place (ModelOpt's names and convention, docs/nvfp4-format.md §2), checking
+        dtype, shape, NaN bytes and scale values."""
         group = "down" if projection == "down_proj" else "gate_up"
         rows = slice(0, None)
         if projection == "gate_proj":
@@ -457,48 +557,25 @@ class PackedNVFP4Experts(torch.nn.Module):
             rows = slice(self.width, 2 * self.width)
         in_features = self.width if group == "down" else self.hidden
         out_features = self.hidden if group == "down" else self.width
-
-        def fail(problem: str) -> None:
-            raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
+        tensor, repaired = checked_nvfp4_tensor(field, tensor, out_features, in_features, checkpoint_name,
+                                                self.repair_nan_scales)
+        self.repaired_nan_blocks += repaired
         if field == "weight":
-            if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
             getattr(self, f"{group}_packed_codes")[expert, rows].copy_(tensor)
         elif field == "weight_scale":
-            if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-            if ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
-                fail("NaN block scale bytes (0x7F/0xFF) as ModelOpt < 0.47 wrote them: re-export with ModelOpt >= 0.47")
             getattr(self, f"{group}_block_scales")[expert, rows].copy_(tensor)
-        else:
-            if tensor.dtype != torch.float32 or tensor.numel() != 1:
-                fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-            value = tensor.reshape(()).to(self.gate_up_global_scale.device)
-            if not torch.isfinite(value) or value <= 0:
-                fail(f"scale {value.item()} must be finite and positive")
-            if field == "weight_scale_2":
-                global_scale = getattr(self, f"{group}_global_scale")
-                partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
-                if (expert, partner, field) in self.stored and global_scale[expert] != value:
-                    fail(
-                        f"{value.item()} differs from the {partner} weight_scale_2 {global_scale[expert].item()} of "
-                        "the same expert; ModelOpt shares one weight_scale_2 between gate and up "
-                        "(docs/nvfp4-format.md §3.2): re-export with nvidia-modelopt>=0.47"
-                    )
-                global_scale[expert] = value
-            elif not self.has_input_scales:
-                fail("input_scale in a W4A16_NVFP4 export (weight-only exports have none); fix hf_quant_config.json")
+        elif field == "weight_scale_2":
+            if group == "down":
+                self.down_global_scale[expert] = tensor
             else:
-                input_scale = getattr(self, f"{group}_input_scale")
-                if group in self.first_input_scale_name and input_scale != value:
-                    fail(
-                        f"input_scale {value.item()} differs from {self.first_input_scale_name[group]} = "
-                        f"{input_scale.item()}; ModelOpt shares one input quantizer for gate and up of all experts of "
-                        "a layer and one for down (docs/nvfp4-format.md §3.2), so this export is broken: re-export it"
-                    )
-                self.first_input_scale_name.setdefault(group, checkpoint_name)
-                input_scale.copy_(value)
+                self.gate_up_global_scale[expert, int(projection == "up_proj")] = tensor
+        else:
+            input_scale = getattr(self, f"{group}_input_scale")
+            partner = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(projection)
+            if (expert, partner, field) in self.stored and input_scale[expert] != tensor:
+                self.unequal_gate_up_input_scale = checkpoint_name
+            input_scale[expert] = tensor
+            self.input_scale_values[group].add(tensor.item())
         self.stored.add((expert, projection, field))
 
     def missing_tensors(self, experts_name: str) -> list[str]:
@@ -525,15 +602,12 @@ class PackedNVFP4Experts(torch.nn.Module):
         experts.gate_up_proj.copy_(gate_up_proj)
         experts.down_proj.copy_(down_proj)
 
-    def fake_quant(self, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-        fake_quant = fake_quant_nvfp4_activations_compiled if activations.is_cuda else fake_quant_nvfp4_activations
-        return fake_quant(activations, input_scale)
-
-    def apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:  # [S, 2I] -> [S, I]
+    def apply_gate(self, gate_up_out: torch.Tensor, down_input_scale: torch.Tensor) -> torch.Tensor:
+        # gate_up_out [S, 2I] -> [S, I]; down_input_scale 0-d, or [S, 1, 1] for the expert of each row
         gate, up = gate_up_out.chunk(2, dim=-1)
         intermediate = self.act_fn(gate) * up
         if self.simulate_fp4_activations:
-            intermediate = self.fake_quant(intermediate, self.down_input_scale)
+            intermediate = fake_quant(intermediate, down_input_scale)
         return intermediate
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -552,14 +626,18 @@ class PackedNVFP4Experts(torch.nn.Module):
             FP32_DOT=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
-        if self.simulate_fp4_activations:
-            hidden_states = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale)
+        gate_up_input, pairs_per_row = hidden_states, top_k
+        if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
+            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1])  # [T, H]
+        elif self.simulate_fp4_activations:  # each expert's own input scale: a rounded row per pair
+            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale, top_k_index)  # [S, H]
+            pairs_per_row = 1
         gate_up_columns = fitted_block(tiles.columns, self.width)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
-            hidden_states.contiguous(), slot_pairs, tile_experts,
+            gate_up_input.contiguous(), slot_pairs, tile_experts,
             self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
-            self.down_input_scale, 0, intermediate, self.num_experts, self.hidden, self.width, top_k,
+            self.down_input_scale, 1, intermediate, self.num_experts, self.hidden, self.width, pairs_per_row,
             SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
             BLOCK_C=fitted_block(tiles.reduced, self.hidden), **common,
         )
@@ -587,8 +665,22 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.forward_packed(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
 
     def forward_unpacked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.simulate_fp4_activations:
-            hidden_states = self.fake_quant(hidden_states, self.gate_up_input_scale)
+        num_tokens, top_k = top_k_index.shape
+        gate_up_input, experts_index, routing_weights = hidden_states, top_k_index, top_k_weights
+        down_input_scale = self.down_input_scale[0]
+        row_per_pair = self.simulate_fp4_activations and not self.gate_up_input_scales_shared
+        if self.simulate_fp4_activations and not row_per_pair:
+            gate_up_input = fake_quant(hidden_states, self.gate_up_input_scale[0])
+        elif row_per_pair:
+            # Each expert rounds its input with its own scale: one row per (token, expert) pair, which the grouped_mm
+            # function below sees as S tokens routed to one expert each.
+            pair_experts = top_k_index.reshape(-1)  # [S]
+            gate_up_input = fake_quant(hidden_states.repeat_interleave(top_k, dim=0),
+                                       self.gate_up_input_scale[pair_experts][:, None, None])  # [S, H]
+            experts_index, routing_weights = top_k_index.reshape(-1, 1), top_k_weights.reshape(-1, 1)  # [S, 1]
+        if self.simulate_fp4_activations and not self.down_input_scales_shared:
+            # the function applies the gate to the pairs sorted by expert
+            down_input_scale = self.down_input_scale[top_k_index.reshape(-1).sort().values][:, None, None]  # [S, 1, 1]
         gate_up_proj, down_proj = self.unpacked()
         # The attributes transformers' grouped_mm experts function reads from a stock experts module
         # (docs/nvfp4-format.md §8.3).
@@ -601,11 +693,14 @@ class PackedNVFP4Experts(torch.nn.Module):
             has_post_expert_norm=False,
             _is_expert_parallel=False,
             act_fn=self.act_fn,
-            _apply_gate=self.apply_gate,
+            _apply_gate=lambda gate_up_out: self.apply_gate(gate_up_out, down_input_scale),
             gate_up_proj=gate_up_proj,
             down_proj=down_proj,
         )
-        return grouped_mm_experts_forward(stock_experts_view, hidden_states, top_k_index, top_k_weights)
+        out = grouped_mm_experts_forward(stock_experts_view, gate_up_input, experts_index, routing_weights)
+        if row_per_pair:  # sum each token's K rows, as the function does
+            out = out.view(num_tokens, top_k, self.hidden).sum(dim=1)
+        return out
 
 
 # ==== checkpoint loading ==============================================================================================
@@ -623,24 +718,65 @@ class CheckpointError(ValueError):
 
 class CheckpointFormat(enum.StrEnum):
     """The format of a checkpoint's thinker, read from its files (never from a flag); its value is what the console
-    and /healthz show."""
+    and /healthz show. The formats served are listed in docs/nvfp4-format.md §9."""
 
     BF16 = "bf16"  # a BF16 release
-    MODELOPT_NVFP4 = "modelopt:NVFP4"  # ModelOpt W4A4: packed experts and their calibrated input scales
-    MODELOPT_W4A16_NVFP4 = "modelopt:W4A16_NVFP4"  # ModelOpt weight-only: packed experts, no input scales
+    MODELOPT_NVFP4 = "modelopt:NVFP4"  # ModelOpt W4A4: packed weights and their calibrated input scales
+    MODELOPT_W4A16_NVFP4 = "modelopt:W4A16_NVFP4"  # ModelOpt weight-only: packed weights
+    MODELOPT_MIXED_PRECISION = "modelopt:MIXED_PRECISION"  # ModelOpt, a quant_algo per layer (quantized_layers)
+    COMPRESSED_TENSORS_NVFP4 = "compressed-tensors:NVFP4"  # llm-compressor nvfp4-pack-quantized, W4A4
+    COMPRESSED_TENSORS_NVFP4A16 = "compressed-tensors:NVFP4A16"  # llm-compressor nvfp4-pack-quantized, weight-only
 
     @property
     def quantized(self) -> bool:
         return self is not CheckpointFormat.BF16
 
     @property
-    def has_input_scales(self) -> bool:
-        return self is CheckpointFormat.MODELOPT_NVFP4
+    def compressed_tensors(self) -> bool:
+        """compressed-tensors' tensor names, and global scales that are the reciprocals of ModelOpt's (§7)."""
+        return self in (CheckpointFormat.COMPRESSED_TENSORS_NVFP4, CheckpointFormat.COMPRESSED_TENSORS_NVFP4A16)
+
+
+def module_matches(pattern: str, module: str) -> bool:
+    """An exclude/ignore/target entry against a module name: compressed-tensors' "re:" regular expressions (matched
+    from the start), else an exact name or a ModelOpt wildcard such as `name*` or `name.*`."""
+    if pattern.startswith("re:"):
+        return re.match(pattern.removeprefix("re:"), module) is not None
+    return fnmatch.fnmatchcase(module, pattern)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a checkpoint's quantization metadata says (docs/nvfp4-format.md §1, §7), read once at load.
+
+    Which modules are quantized, and how, is given by quant_algo names of ModelOpt (upper case): "NVFP4" (W4A4:
+    weights and, through the calibrated input scale, activations) or "W4A16_NVFP4" (weights only).
+    """
+
+    kind: CheckpointFormat
+    source: str = ""  # the file the metadata was read from, for messages
+    producer: str = ""  # the tool and version that wrote the checkpoint, when the files say
+    excluded: tuple[str, ...] = ()  # modules left unquantized (exclude_modules / ignore entries)
+    target_algos: tuple[tuple[tuple[str, ...], str], ...] = ()  # (targets, quant_algo) per group; "Linear": every one
+    layer_algos: dict[str, str] | None = None  # MIXED_PRECISION: each quantized module's quant_algo
+    experts_algo: str | None = None  # the quant_algo of the MoE experts (one for all of them)
 
     @property
-    def tensors_per_expert_matrix(self) -> int:
-        """weight; + weight_scale and weight_scale_2 when packed; + input_scale for W4A4."""
-        return 1 + 2 * self.quantized + self.has_input_scales
+    def experts_w4a4(self) -> bool:
+        """The experts carry calibrated input scales, which --simulate-fp4-activations replays."""
+        return self.experts_algo == "NVFP4"
+
+    def algo_of(self, module: str) -> str | None:
+        """The quant_algo the metadata gives a module (its name on disk), None when it says the module is not
+        quantized."""
+        if any(module_matches(pattern, module) for pattern in self.excluded):
+            return None
+        if self.layer_algos is not None:
+            return self.layer_algos.get(module)
+        for targets, algo in self.target_algos:
+            if any(target == "Linear" or module_matches(target, module) for target in targets):
+                return algo
+        return None
 
 
 @dataclass
@@ -660,7 +796,9 @@ SYNTHETIC_NOTICE = "synthetic checkpoint: random weights, every answer is meanin
 # Nothing is calibrated in a synthetic checkpoint, so every expert input gets the input_scale that max calibration
 # gives activations whose absolute max is 6: 6 / (6 * 448).
 SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
-SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo of the CheckpointFormats
+SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo names served, compared upper-cased
+SERVED_FORMATS = ("BF16 releases, ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION (of those) exports and "
+                  "compressed-tensors nvfp4-pack-quantized ones (see docs/nvfp4-format.md §9)")
 WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
 
 # The two on-disk name layouts of the thinker's tensors (docs/nvfp4-format.md §3.4), as (hub layout,
@@ -677,6 +815,21 @@ EXPERT_TENSOR = re.compile(
     r"(?P<experts>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<projection>gate_proj|up_proj|down_proj)"
     r"\.(?P<field>weight|weight_scale|weight_scale_2|input_scale)"
 )
+
+
+# One expert projection as a module name, as MIXED_PRECISION's quantized_layers lists it.
+EXPERT_MODULE = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+# The tensors of one NVFP4 linear as compressed-tensors names them, and ModelOpt's names for them (§7): the loader
+# reads every layout in ModelOpt's names and convention. compressed-tensors' global scales are the reciprocals.
+COMPRESSED_TENSORS_FIELDS = {
+    "weight_packed": "weight",
+    "weight_global_scale": "weight_scale_2",
+    "input_global_scale": "input_scale",
+}
+NVFP4_SCALE_FIELDS = ("weight_scale", "weight_scale_2", "input_scale")
+# FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo FP8 on k_proj / v_proj, compressed-tensors' kv_cache_scheme on
+# the attention module): serve_clef keeps its KV cache in BF16 and never reads them.
+KV_CACHE_SCALE_FIELDS = ("k_scale", "v_scale")
 
 
 def is_talker_tensor(name: str) -> bool:
@@ -702,30 +855,101 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
         ) from error
 
 
-def checkpoint_kind(checkpoint_dir: Path) -> CheckpointFormat:
+def served_algo(algo: Any, group_size: Any, where: str) -> str:
+    """A ModelOpt quant_algo (any case) that serve_clef serves, upper-cased; else a one-line refusal."""
+    if str(algo).upper() not in SERVED_QUANT_ALGOS or group_size not in (None, 16):
+        raise CheckpointError(
+            f"{where}: quant_algo {algo!r} (group size {group_size}) is not served; serve_clef serves NVFP4 and "
+            "W4A16_NVFP4 with group size 16: export the thinker with ModelOpt in one of them"
+        )
+    return str(algo).upper()
+
+
+def modelopt_quantization(quantization: dict, producer: dict | None, source: str) -> CheckpointQuantization:
+    """hf_quant_config.json's "quantization", or config.json's quantization_config with quant_method modelopt."""
+    producer_name = f"{producer.get('name', 'modelopt')} {producer.get('version', '')}".strip() if producer else ""
+    excluded = tuple(quantization.get("exclude_modules", quantization.get("ignore")) or ())
+    algo = str(quantization.get("quant_algo")).upper()
+    if algo == "MIXED_PRECISION":
+        layer_algos = {
+            module: served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
+            for module, layer in (quantization.get("quantized_layers") or {}).items()
+        }
+        expert_algos = {algo for module, algo in layer_algos.items() if EXPERT_MODULE.search(module)}
+        if len(expert_algos) > 1:
+            raise CheckpointError(f"{source}: its experts mix {' and '.join(sorted(expert_algos))}, which is not "
+                                  "served; export every expert in one of them")
+        return CheckpointQuantization(CheckpointFormat.MODELOPT_MIXED_PRECISION, source, producer_name, excluded,
+                                      layer_algos=layer_algos, experts_algo=next(iter(expert_algos), None))
+    group_size = quantization.get("group_size")
+    for group in (quantization.get("config_groups") or {}).values():
+        group_size = group.get("weights", {}).get("group_size", group_size)
+    algo = served_algo(quantization.get("quant_algo"), group_size, source)
+    return CheckpointQuantization(CheckpointFormat("modelopt:" + algo), source, producer_name, excluded,
+                                  target_algos=((("Linear",), algo),), experts_algo=algo)
+
+
+def compressed_tensors_quantization(quantization: dict, source: str) -> CheckpointQuantization:
+    """config.json's quantization_config with quant_method compressed-tensors: NVFP4 (W4A4, activations `dynamic:
+    local`) and NVFP4A16 groups of the nvfp4-pack-quantized format (docs/nvfp4-format.md §7)."""
+    if quantization.get("quantization_status", "compressed") != "compressed":
+        raise CheckpointError(f"{source}: quantization_status {quantization['quantization_status']!r}, the weights "
+                              "are not packed; serve a compressed (saved with save_compressed) checkpoint")
+    target_algos = []
+    for group_name, group in (quantization.get("config_groups") or {}).items():
+        weights, activations = group.get("weights") or {}, group.get("input_activations")
+        group_format = group.get("format") or quantization.get("format")
+        nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16}
+        served = (
+            group_format == "nvfp4-pack-quantized"
+            and nvfp4.items() <= weights.items()
+            and (activations is None or (nvfp4 | {"dynamic": "local"}).items() <= activations.items())
+        )
+        if not served:
+            raise CheckpointError(
+                f"{source}: config group {group_name} (format {group_format!r}, weights {weights.get('num_bits')}-bit "
+                f"{weights.get('type')}, input activations {'none' if activations is None else activations}) is not "
+                "served; serve_clef serves nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16"
+            )
+        target_algos.append((tuple(group.get("targets") or ()), "W4A16_NVFP4" if activations is None else "NVFP4"))
+    algos = {algo for _, algo in target_algos}
+    if len(algos) != 1:
+        raise CheckpointError(f"{source}: config groups {'mix W4A4 and W4A16' if algos else 'are missing'}, which is "
+                              "not served; quantize the thinker with one NVFP4 or NVFP4A16 scheme")
+    algo = algos.pop()
+    kind = CheckpointFormat.COMPRESSED_TENSORS_NVFP4 if algo == "NVFP4" else CheckpointFormat.COMPRESSED_TENSORS_NVFP4A16
+    version = quantization.get("version")
+    return CheckpointQuantization(kind, source, f"compressed-tensors {version}" if version else "",
+                                  tuple(quantization.get("ignore") or ()), tuple(target_algos), experts_algo=algo)
+
+
+def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
+    """The checkpoint's format and quantization metadata: hf_quant_config.json where there is one, else config.json's
+    quantization_config (on the model, the thinker or its text config), else a BF16 release."""
     for required in ("config.json", "joint_head_config.json", "joint_head.safetensors"):
         if not (checkpoint_dir / required).exists():
             raise CheckpointError(
-                f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a ModelOpt export needs the "
+                f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a quantized export needs the "
                 "release's joint_head*, tokenizer and processor files copied beside it)"
             )
     quant_config_path = checkpoint_dir / "hf_quant_config.json"
-    if not quant_config_path.exists():
-        quantization = json.loads((checkpoint_dir / "config.json").read_text()).get("quantization_config")
-        if quantization is not None:
-            raise CheckpointError(
-                f"{checkpoint_dir}: config.json has a {quantization.get('quant_method')!r} quantization_config but no "
-                "hf_quant_config.json; serve_clef serves BF16 releases and ModelOpt NVFP4 / W4A16_NVFP4 exports"
-            )
-        return CheckpointFormat.BF16
-    quantization = json.loads(quant_config_path.read_text())["quantization"]
-    if quantization.get("quant_algo") not in SERVED_QUANT_ALGOS or quantization.get("group_size", 16) != 16:
-        raise CheckpointError(
-            f"{quant_config_path}: quant_algo {quantization.get('quant_algo')!r}, group_size "
-            f"{quantization.get('group_size')} is not served; export the thinker experts with ModelOpt as NVFP4 or "
-            "W4A16_NVFP4 (group size 16)"
-        )
-    return CheckpointFormat("modelopt:" + quantization["quant_algo"])
+    if quant_config_path.exists():
+        hf_quant_config = json.loads(quant_config_path.read_text())
+        return modelopt_quantization(hf_quant_config["quantization"], hf_quant_config.get("producer"),
+                                     str(quant_config_path))
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    thinker_config = config.get("thinker_config") or {}
+    quantization = (config.get("quantization_config") or thinker_config.get("quantization_config")
+                    or (thinker_config.get("text_config") or {}).get("quantization_config"))
+    source = f"{checkpoint_dir / 'config.json'} quantization_config"
+    if quantization is None:
+        return CheckpointQuantization(CheckpointFormat.BF16)
+    if quantization.get("quant_method") == "modelopt":
+        return modelopt_quantization(quantization, quantization.get("producer"), source)
+    if quantization.get("quant_method") == "compressed-tensors":
+        return compressed_tensors_quantization(quantization, source)
+    raise CheckpointError(f"{source}: quant_method {quantization.get('quant_method')!r} is not served; serve_clef "
+                          f"serves {SERVED_FORMATS}")
 
 
 def resolve_expert_kernels(choice: str, device: torch.device) -> str:
@@ -839,15 +1063,20 @@ def thinker_tensor_name(checkpoint_name: str, live_names: set[str], experts_name
 def load_thinker_weights(
     thinker: torch.nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    kind: CheckpointFormat,
+    quantization: CheckpointQuantization,
     expert_stores: dict[str, "PackedNVFP4Experts"],
+    repair_nan_scales: bool,
     progress: Callable[[str], None],
-) -> None:
-    """Fill the thinker from a stream of (checkpoint name, tensor) in any on-disk layout.
+) -> dict[str, torch.Tensor]:
+    """Fill the thinker from a stream of (checkpoint name, tensor) in any on-disk layout and format.
 
-    Experts go to `expert_stores` (NVFP4 kinds: packed, as on disk) or into the stock fused BF16 parameters (bf16
-    kind). Fails naming any checkpoint tensor that maps to nothing and any parameter or expert tensor left unfilled.
+    Every tensor is read in ModelOpt's names and convention (compressed-tensors' are renamed, their global scales
+    inverted). Experts go to `expert_stores` (quantized formats: packed, as on disk) or into the stock fused BF16
+    parameters (bf16). Other NVFP4 linears (attention, towers) are unpacked to BF16 once all their tensors are in.
+    Fails naming any checkpoint tensor that maps to nothing and any parameter or expert tensor left unfilled.
+    Returns the calibrated input scale of each W4A4 linear outside the experts, by module name.
     """
+    kind = quantization.kind
     experts = experts_modules(thinker)
     targets = {
         name: tensor
@@ -856,50 +1085,104 @@ def load_thinker_weights(
     }
     live_names, experts_names = set(targets), set(experts)
     filled, bf16_experts_filled = set(), set()
+    linear_parts = {}  # weight name -> {field: tensor}: NVFP4 linears outside the experts, until complete
+    linear_input_scales = {}  # module name -> input scale of the W4A4 ones
     expert_tensors_per_layer = {name: 0 for name in experts}
-    fields_per_expert = 3 * kind.tensors_per_expert_matrix
     num_experts = thinker.config.text_config.num_experts
+    unused_kv_cache_scales, unused_input_scales = 0, 0
+    repaired_nan_blocks, unpacked_linears = 0, 0
+    w4a4_linears = set()  # NVFP4 modules outside the experts whose metadata says W4A4
     tensor_count, byte_count, layers_done, start = 0, 0, 0, time.perf_counter()
     for checkpoint_name, tensor in tensors:
         if is_talker_tensor(checkpoint_name):
             continue
-        name = thinker_tensor_name(checkpoint_name, live_names, experts_names)
+        tensor_count += 1
+        byte_count += tensor.nbytes
+        module_on_disk, _, field = checkpoint_name.rpartition(".")
+        if field in KV_CACHE_SCALE_FIELDS:
+            unused_kv_cache_scales += 1
+            continue
+        if kind.compressed_tensors and field in COMPRESSED_TENSORS_FIELDS:
+            if field != "weight_packed":
+                tensor = 1.0 / tensor  # compressed-tensors divides by its global scales, ModelOpt multiplies
+            field = COMPRESSED_TENSORS_FIELDS[field]
+        nvfp4_part = field in NVFP4_SCALE_FIELDS or (field == "weight" and tensor.dtype == torch.uint8)
+        if nvfp4_part:
+            algo = quantization.algo_of(module_on_disk)
+            if algo is None and not kind.quantized:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name} is part of an NVFP4 linear, but the checkpoint has no "
+                    "quantization metadata: a quantized export needs its hf_quant_config.json or config.json's "
+                    "quantization_config"
+                )
+            if algo is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name} is part of an NVFP4 linear, but {quantization.source} says "
+                    f"{module_on_disk} is not quantized; fix its exclude/ignore list (or quantized_layers)"
+                )
+            if field == "input_scale" and algo != "NVFP4":
+                unused_input_scales += 1
+                continue
+        name = thinker_tensor_name(f"{module_on_disk}.weight" if nvfp4_part else checkpoint_name, live_names,
+                                   experts_names)
         if name is None:
             raise CheckpointError(
                 f"checkpoint tensor {checkpoint_name} maps to no parameter of the Qwen3-Omni thinker of transformers "
                 f"{transformers.__version__} (in neither the hub nor the transformers-internal name layout); is this "
-                "a Clef-Omni checkpoint, with only the experts quantized?"
+                "a Clef-Omni checkpoint?"
             )
         expert_match = EXPERT_TENSOR.fullmatch(name)
-        if expert_match is None:
-            if tuple(tensor.shape) != tuple(targets[name].shape) or not tensor.dtype.is_floating_point:
-                raise CheckpointError(
-                    f"checkpoint tensor {checkpoint_name}: {tensor.dtype} {list(tensor.shape)}, the thinker expects "
-                    f"a floating point {list(targets[name].shape)}; only the experts may be quantized"
-                )
-            targets[name].copy_(tensor)
-            filled.add(name)
-        else:
+        if expert_match is not None:
             experts_name, expert = expert_match["experts"], int(expert_match["expert"])
-            projection, field = expert_match["projection"], expert_match["field"]
+            projection = expert_match["projection"]
             if expert >= num_experts:
                 raise CheckpointError(f"checkpoint tensor {checkpoint_name}: the model has only {num_experts} experts")
             if not kind.quantized:
                 store_bf16_expert(experts[experts_name], expert, projection, field, tensor, checkpoint_name)
                 bf16_experts_filled.add((experts_name, expert, projection))
+                expected = 3 * num_experts
             else:
                 expert_stores[experts_name].store(expert, projection, field, tensor, checkpoint_name)
+                expected = expert_stores[experts_name].expected_tensor_count
             expert_tensors_per_layer[experts_name] += 1
-            if expert_tensors_per_layer[experts_name] == num_experts * fields_per_expert:
+            if expert_tensors_per_layer[experts_name] == expected:
                 layers_done += 1
-                progress(
-                    f"experts of {layers_done}/{len(experts)} layers loaded "
-                    f"({tensor_count + 1} tensors, {(byte_count + tensor.nbytes) / 2**30:.2f} GiB read)"
+                progress(f"experts of {layers_done}/{len(experts)} layers loaded "
+                         f"({tensor_count} tensors, {byte_count / 2**30:.2f} GiB read)")
+        elif nvfp4_part:
+            out_features, in_features = targets[name].shape
+            checked, repaired = checked_nvfp4_tensor(field, tensor, out_features, in_features, checkpoint_name,
+                                                     repair_nan_scales)
+            repaired_nan_blocks += repaired
+            if field == "input_scale":
+                linear_input_scales[name.removesuffix(".weight")] = checked.to(targets[name].device)
+                continue
+            if algo == "NVFP4":
+                w4a4_linears.add(name.removesuffix(".weight"))
+            parts = linear_parts.setdefault(name, dict.fromkeys(("weight", "weight_scale", "weight_scale_2")))
+            parts[field] = checked
+            if all(part is not None for part in parts.values()):  # all in: unpack once, to BF16
+                weight = unpack_nvfp4(parts["weight"][None], parts["weight_scale"][None], parts["weight_scale_2"][None])
+                targets[name].copy_(weight[0])  # [out, in]
+                filled.add(name)
+                unpacked_linears += 1
+                del linear_parts[name]
+        else:
+            if tuple(tensor.shape) != tuple(targets[name].shape) or not tensor.dtype.is_floating_point:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name}: {tensor.dtype} {list(tensor.shape)}, the thinker expects "
+                    f"a floating point {list(targets[name].shape)}"
                 )
-        tensor_count += 1
-        byte_count += tensor.nbytes
+            targets[name].copy_(tensor)
+            filled.add(name)
 
-    missing = sorted(set(targets) - filled)
+    missing = sorted(set(targets) - filled - set(linear_parts))
+    missing += [
+        f"{name.removesuffix('.weight')}.{field}"
+        for name, parts in linear_parts.items()
+        for field, part in parts.items()
+        if part is None
+    ]
     if not kind.quantized:
         missing += [
             f"{experts_name}.{expert}.{projection}.weight"
@@ -911,6 +1194,7 @@ def load_thinker_weights(
     else:
         for experts_name, store in expert_stores.items():
             missing += store.missing_tensors(experts_name)
+            repaired_nan_blocks += store.repaired_nan_blocks
     if missing:
         raise CheckpointError(
             f"the checkpoint lacks {len(missing)} thinker tensors, first {missing[:3]} (transformers-internal names); "
@@ -918,6 +1202,22 @@ def load_thinker_weights(
         )
     load_s = time.perf_counter() - start
     progress(f"thinker loaded: {tensor_count} tensors, {byte_count / 2**30:.2f} GiB in {load_s:.1f} s")
+    if unpacked_linears:
+        progress(f"{unpacked_linears} NVFP4 linears outside the experts unpacked to BF16")
+    uncalibrated = w4a4_linears - set(linear_input_scales)
+    if uncalibrated:
+        progress(f"{len(uncalibrated)} W4A4 linears outside the experts have no input_scale (their input quantizer "
+                 f"was never calibrated, e.g. {min(uncalibrated)}): --simulate-fp4-activations leaves their inputs "
+                 "in BF16")
+    if repaired_nan_blocks:
+        progress(f"--repair-nan-scales: {repaired_nan_blocks} NaN block scales (0x7F/0xFF) loaded as 448")
+    if unused_kv_cache_scales:
+        progress(f"{unused_kv_cache_scales} KV-cache scales (k_scale/v_scale) skipped: unused, serve_clef keeps its "
+                 "KV cache in BF16")
+    if unused_input_scales:
+        progress(f"{unused_input_scales} input_scale tensors of weight-only (W4A16) layers ignored: weight-only "
+                 "serving never uses them")
+    return linear_input_scales
 
 
 def store_bf16_expert(
@@ -934,8 +1234,8 @@ def store_bf16_expert(
     if field != "weight" or not weight.dtype.is_floating_point or weight.shape != target.shape:
         raise CheckpointError(
             f"checkpoint tensor {checkpoint_name}: {weight.dtype} {list(weight.shape)} in a checkpoint without "
-            f"hf_quant_config.json, expected a BF16 {list(target.shape)} weight; a ModelOpt export needs its "
-            "hf_quant_config.json"
+            f"quantization metadata, expected a BF16 {list(target.shape)} weight; a quantized export needs its "
+            "hf_quant_config.json or config.json's quantization_config"
         )
     target.copy_(weight)
 
@@ -997,21 +1297,23 @@ def quantize_experts_to_nvfp4(
 
 def write_modelopt_metadata(checkpoint_dir: Path) -> None:
     """hf_quant_config.json and config.json's quantization_config of an NVFP4 (W4A4) export, as ModelOpt's exporter
-    writes them for the thinker experts (docs/nvfp4-format.md §1)."""
-    exclude_modules = [
+    writes them for the thinker experts (docs/nvfp4-format.md §1): every unquantized module by name, or by a
+    wildcard at the end of a name."""
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    num_layers = config["thinker_config"]["text_config"]["num_hidden_layers"]
+    exclude_modules = sorted([
         "thinker.audio_tower*",
         "thinker.lm_head",
         "thinker.model.embed_tokens",
-        "thinker.model.layers.*.mlp.gate",
-        "thinker.model.layers.*.self_attn*",
+        *(f"thinker.model.layers.{layer}.mlp.gate" for layer in range(num_layers)),
+        *(f"thinker.model.layers.{layer}.self_attn*" for layer in range(num_layers)),
         "thinker.visual*",
-    ]
+    ])
     producer = {"name": "modelopt", "version": "0.47.0"}
     quantization = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16}
     hf_quant_config = {"producer": producer, "quantization": quantization | {"exclude_modules": exclude_modules}}
     (checkpoint_dir / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=4))
     nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
-    config = json.loads((checkpoint_dir / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "modelopt",
         "quant_algo": "NVFP4",
@@ -1072,6 +1374,7 @@ def load_clef(
     expert_kernels: str = "auto",
     simulate_fp4_activations: bool = False,
     packed_nvfp4: bool = True,
+    repair_nan_scales: bool = False,
     progress: Callable[[str], None] = print,
 ) -> LoadedClef:
     """Load a Clef-Omni checkpoint for `decide`: the Python API behind the command line's flags.
@@ -1080,7 +1383,8 @@ def load_clef(
     default cuda when available, else cpu (--device). revision: the hub revision (--revision). expert_kernels:
     "auto", "triton", "unpack" or "native" (--expert-kernels). simulate_fp4_activations: faithful W4A4 replay
     (--simulate-fp4-activations). packed_nvfp4: False unpacks NVFP4 experts to BF16 at load (--no-packed-nvfp4).
-    progress: receives one line per loading step. Raises CheckpointError with a one-line fix.
+    repair_nan_scales: load NaN block scales as 448 instead of refusing them (--repair-nan-scales). progress:
+    receives one line per loading step. Raises CheckpointError with a one-line fix.
     """
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1094,11 +1398,12 @@ def load_clef(
         checkpoint_dir, tensors = synthetic_checkpoint(model, device, progress)
     else:
         checkpoint_dir = resolve_checkpoint_dir(model, revision)
-    kind = checkpoint_kind(checkpoint_dir)
-    if simulate_fp4_activations and not kind.has_input_scales:
+    quantization = checkpoint_quantization(checkpoint_dir)
+    kind = quantization.kind
+    if simulate_fp4_activations and not quantization.experts_w4a4:
         raise CheckpointError(
-            f"--simulate-fp4-activations replays W4A4 activations and needs a ModelOpt NVFP4 (W4A4) export with "
-            f"input scales; {checkpoint_dir} is {kind}: drop the flag"
+            f"--simulate-fp4-activations replays W4A4 activations and needs an NVFP4 (W4A4) export whose experts have "
+            f"calibrated input scales; {checkpoint_dir} is {kind}: drop the flag"
         )
     if simulate_fp4_activations and not packed_nvfp4:
         raise CheckpointError("--simulate-fp4-activations runs inside the packed experts: drop --no-packed-nvfp4")
@@ -1109,7 +1414,8 @@ def load_clef(
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     text_config = config.thinker_config.text_config
     experts_form = f"packed NVFP4 experts, {expert_kernels} kernels" if packed else "BF16 experts"
-    progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form})")
+    written_by = f", written by {quantization.producer}" if quantization.producer else ""
+    progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form}{written_by})")
     if expert_kernels == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
         progress("this GPU has FP4 tensor cores, but serve_clef's native FP4 path is not built yet: the experts run "
                  "W4A16 (or the W4A4 replay) through the Triton kernels")
@@ -1121,16 +1427,29 @@ def load_clef(
     if kind.quantized:
         with torch.device(device):
             expert_stores = {
-                name: PackedNVFP4Experts(text_config, experts.act_fn, has_input_scales=kind.has_input_scales)
+                name: PackedNVFP4Experts(text_config, experts.act_fn, has_input_scales=quantization.experts_w4a4)
                 for name, experts in experts_modules(thinker).items()
             }
+        for store in expert_stores.values():
+            store.repair_nan_scales = repair_nan_scales
     if packed:
         for experts_name, store in expert_stores.items():
             parent_name, _, attribute = experts_name.rpartition(".")
             setattr(thinker.get_submodule(parent_name), attribute, store)
     if tensors is None:
         tensors = checkpoint_tensors(checkpoint_dir)
-    load_thinker_weights(thinker, tensors, kind, expert_stores, progress)
+    linear_input_scales = load_thinker_weights(thinker, tensors, quantization, expert_stores, repair_nan_scales,
+                                               progress)
+    if simulate_fp4_activations:
+        for experts_name, store in expert_stores.items():
+            if store.unequal_gate_up_input_scale is not None:
+                raise CheckpointError(
+                    f"--simulate-fp4-activations: checkpoint tensor {store.unequal_gate_up_input_scale} differs from "
+                    "its expert's other gate/up input scale, and the fused gate_up input is rounded with one scale: "
+                    "drop the flag (the experts then run W4A16)"
+                )
+        for module_name, input_scale in linear_input_scales.items():
+            replay_nvfp4_input_rounding(thinker.get_submodule(module_name), input_scale)
     if kind.quantized and not packed:
         for experts_name, store in expert_stores.items():
             store.unpack_into(thinker.get_submodule(experts_name))
@@ -1172,8 +1491,10 @@ def load_clef(
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(clef_model, processor, WARM_UP_REQUEST)
         if expert_kernels == "triton":
-            packed_layer = next(m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts))
-            packed_layer.compile_kernels()
+            # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
+            packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
+            for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
+                packed_layer.compile_kernels()
         packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
@@ -1185,7 +1506,7 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
     return load_clef(
         args.model, device=args.device, revision=args.revision, expert_kernels=args.expert_kernels,
         simulate_fp4_activations=args.simulate_fp4_activations, packed_nvfp4=not args.no_packed_nvfp4,
-        progress=progress,
+        repair_nan_scales=args.repair_nan_scales, progress=progress,
     )
 
 
@@ -2298,13 +2619,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--simulate-fp4-activations",
         action="store_true",
-        help="W4A4 (ModelOpt NVFP4) checkpoints only: round every expert input to NVFP4 as ModelOpt calibrated it, "
+        help="W4A4 (NVFP4) checkpoints only: round every quantized layer's input to NVFP4 as it was calibrated, "
         "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
     )
     parser.add_argument(
         "--no-packed-nvfp4",
         action="store_true",
         help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
+    )
+    parser.add_argument(
+        "--repair-nan-scales",
+        action="store_true",
+        help="Load NaN block-scale bytes (0x7F/0xFF, written by ModelOpt before 0.45 where a block's scale overflowed) "
+        "as 448, the largest e4m3 value, and report how many blocks changed; without it such checkpoints are refused.",
     )
     parser.add_argument(
         "--expert-kernels",

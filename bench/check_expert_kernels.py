@@ -54,11 +54,11 @@ def random_layer(power_of_two_global_scales: bool, seed: int) -> serve_clef.Pack
         codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16))
         scales = getattr(layer, f"{name}_block_scales")
         scales.copy_((torch.rand(scales.shape, generator=generator, device=device) * 100 + 20).to(torch.float8_e4m3fn))
-        global_scale = getattr(layer, f"{name}_global_scale")
+        global_scale = getattr(layer, f"{name}_global_scale").view(128, -1)  # gate_up: [E, 2], gate and up alike
         if power_of_two_global_scales:
-            global_scale.copy_(2.0 ** torch.randint(-15, -12, (128,), generator=generator, device=device).float())
+            global_scale.copy_(2.0 ** torch.randint(-15, -12, (128, 1), generator=generator, device=device).float())
         else:
-            global_scale.copy_(torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5)
+            global_scale.copy_(torch.rand(128, 1, generator=generator, device=device) * 1e-4 + 5e-5)
     layer.gate_up_input_scale.fill_(3.0 / (6 * 448))
     layer.down_input_scale.fill_(0.05 / (6 * 448))
     return layer

@@ -55,8 +55,8 @@ def main() -> int:
         )
         scales = getattr(experts, f"{name}_block_scales")
         scales.copy_((torch.rand(scales.shape, generator=generator, device=device) * 100 + 20).to(torch.float8_e4m3fn))
-        getattr(experts, f"{name}_global_scale").copy_(
-            torch.rand(128, generator=generator, device=device) * 1e-4 + 5e-5
+        getattr(experts, f"{name}_global_scale").view(128, -1).copy_(  # gate_up: [E, 2], gate and up alike
+            torch.rand(128, 1, generator=generator, device=device) * 1e-4 + 5e-5
         )
     experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
     experts.down_input_scale.fill_(0.05 / (6 * 448))

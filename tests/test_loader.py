@@ -223,14 +223,6 @@ def with_nan_scale_byte(name):
     return change
 
 
-def with_scaled(name, factor):
-    def change(tensors):
-        tensors[name] = tensors[name] * factor
-        return tensors
-
-    return change
-
-
 @pytest.mark.parametrize(
     "change, tensor_named",
     [
@@ -243,27 +235,8 @@ def with_scaled(name, factor):
             with_nan_scale_byte("thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale"),
             "thinker.model.layers.0.mlp.experts.2.gate_proj.weight_scale",
         ),
-        (
-            with_scaled("thinker.model.layers.1.mlp.experts.4.up_proj.input_scale", 1.5),
-            "thinker.model.layers.1.mlp.experts.4.up_proj.input_scale",
-        ),
-        (
-            with_scaled("thinker.model.layers.0.mlp.experts.6.down_proj.input_scale", 0.5),
-            "thinker.model.layers.0.mlp.experts.6.down_proj.input_scale",
-        ),
-        (
-            with_scaled("thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2", 2.0),
-            "thinker.model.layers.0.mlp.experts.1.up_proj.weight_scale_2",
-        ),
     ],
-    ids=[
-        "missing-expert-tensor",
-        "missing-attention-weight",
-        "nan-scale-byte",
-        "unequal-gate-up-input-scale",
-        "unequal-down-input-scale",
-        "unequal-gate-up-weight-scale-2",
-    ],
+    ids=["missing-expert-tensor", "missing-attention-weight", "nan-scale-byte"],
 )
 def test_broken_checkpoints_fail_naming_the_tensor(nvfp4_export, tmp_path, change, tensor_named):
     broken = rewrite_checkpoint(nvfp4_export, tmp_path / "broken", change)

@@ -23,13 +23,14 @@ def e4m3_scale_bytes(shape, generator) -> torch.Tensor:
 
 def reference_dequantize(packed_codes, block_scales, global_scale) -> torch.Tensor:
     """docs/nvfp4-format.md §2.1 as written: low nibble = element 2i, table lookup, per_block = scale * scale_2 in
-    fp32, then BF16."""
+    fp32, then BF16. global_scale [E], or [E, G]: G equal groups of rows with their own scale (gate, up)."""
     num_experts, rows, half_columns = packed_codes.shape
     codes = torch.empty(num_experts, rows, 2 * half_columns, dtype=torch.long)
     codes[..., 0::2] = (packed_codes & 0x0F).long()
     codes[..., 1::2] = (packed_codes >> 4).long()
     e2m1 = torch.tensor(E2M1_TABLE, dtype=torch.float32)[codes]
-    per_block = block_scales.float() * global_scale.view(-1, 1, 1)
+    row_scales = global_scale.reshape(num_experts, -1, 1)  # [E, G, 1]
+    per_block = block_scales.float() * row_scales.repeat_interleave(rows // row_scales.shape[1], dim=1)
     return (e2m1 * per_block.repeat_interleave(16, dim=-1)).to(torch.bfloat16)
 
 
@@ -160,11 +161,11 @@ def random_packed_experts(
         # block scales of a weight of std ~0.02: codes up to 6 -> scale ~0.01 / global scale
         scales = getattr(experts, f"{name}_block_scales")
         scales.copy_((torch.rand(scales.shape, generator=generator) * 100 + 20).to(torch.float8_e4m3fn))
-        global_scale = getattr(experts, f"{name}_global_scale")
+        global_scale = getattr(experts, f"{name}_global_scale").view(8, -1)  # gate_up: [E, 2], gate and up alike
         if power_of_two_global_scales:
-            global_scale.copy_(2.0 ** torch.randint(-15, -12, (8,), generator=generator).float())
+            global_scale.copy_(2.0 ** torch.randint(-15, -12, (8, 1), generator=generator).float())
         else:
-            global_scale.copy_(torch.rand(8, generator=generator) * 1e-4 + 5e-5)
+            global_scale.copy_(torch.rand(8, 1, generator=generator) * 1e-4 + 5e-5)
     experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
     experts.down_input_scale.fill_(0.05 / (6 * 448))
     return experts
@@ -214,13 +215,13 @@ def test_simulated_fp4_activations_quantize_both_expert_inputs():
     # W4A4 per docs/nvfp4-format.md §2.3, one token and one routed expert at a time, fp32 math on BF16-rounded
     # activations
     expected = torch.zeros(hidden_states.shape)
-    quantized_hidden = reference_fake_quant(hidden_states, float(packed.gate_up_input_scale)).bfloat16().float()
+    quantized_hidden = reference_fake_quant(hidden_states, float(packed.gate_up_input_scale[0])).bfloat16().float()
     for token in range(hidden_states.shape[0]):
         for slot in range(2):
             expert = top_k_index[token, slot]
             gate, up = (gate_up_proj[expert] @ quantized_hidden[token]).bfloat16().chunk(2)  # BF16 like the kernel
             intermediate = (F.silu(gate) * up).float()
-            intermediate = reference_fake_quant(intermediate, float(packed.down_input_scale)).bfloat16().float()
+            intermediate = reference_fake_quant(intermediate, float(packed.down_input_scale[0])).bfloat16().float()
             expected[token] += top_k_weights[token, slot].float() * (down_proj[expert] @ intermediate)
     got = packed(hidden_states, top_k_index, top_k_weights).float()
     packed.simulate_fp4_activations = False
