@@ -917,7 +917,8 @@ def compressed_tensors_quantization(quantization: dict, source: str) -> Checkpoi
         raise CheckpointError(f"{source}: config groups {'mix W4A4 and W4A16' if algos else 'are missing'}, which is "
                               "not served; quantize the thinker with one NVFP4 or NVFP4A16 scheme")
     algo = algos.pop()
-    kind = CheckpointFormat.COMPRESSED_TENSORS_NVFP4 if algo == "NVFP4" else CheckpointFormat.COMPRESSED_TENSORS_NVFP4A16
+    kind = (CheckpointFormat.COMPRESSED_TENSORS_NVFP4 if algo == "NVFP4"
+            else CheckpointFormat.COMPRESSED_TENSORS_NVFP4A16)
     version = quantization.get("version")
     return CheckpointQuantization(kind, source, f"compressed-tensors {version}" if version else "",
                                   tuple(quantization.get("ignore") or ()), tuple(target_algos), experts_algo=algo)
@@ -1510,7 +1511,7 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
     )
 
 
-# ==== engine: batches of records, packed, in CUDA graphs ===============================================================
+# ==== engine: batches of records, packed, in CUDA graphs ==============================================================
 # A decision is one prefill of a few hundred to a few thousand tokens, and many arrive at once. The engine scores a
 # batch of B records in one forward of the thinker: the thinker embeds them as a right-padded batch, as transformers
 # does, and its text decoder (where nearly all the work is) runs them packed into one sequence of their real tokens,
@@ -1634,7 +1635,7 @@ class PackedTextDecoder(torch.nn.Module):
             else:
                 static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens)
             packed_hidden = static_hidden[0, :total]  # [T, H]
-        hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H]; the next replay overwrites the graph's
+        hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
         hidden_states[real] = packed_hidden
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 

@@ -50,6 +50,10 @@ def main() -> int:
                "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
                "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
+    first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length),
+                                 text_request(tokenizer, 505, 999))
+    results["first_decision_after_load_ms"] = round(first_ms, 1)  # a new length, before any other decision
+    print(f"first decision after load (505 tokens): {first_ms:.1f} ms")
 
     def alone(requests):
         return [serve_clef.decide(loaded, request, args.max_length)["answers"] for request in requests]
@@ -109,11 +113,14 @@ def main() -> int:
         torch.backends.cuda.enable_cudnn_sdp(not engine)
         name = "engine" if engine else "before the engine (op by op, cuDNN attention)"
         for target, first_seed in ((512, 20 + 100 * engine), (2048, 40 + 100 * engine)):
-            times = [timed_decision(decide, text_request(tokenizer, target + 7 * i, first_seed + i))[0]
-                     for i in range(8 if target == 512 else 4)]
+            new_requests = [text_request(tokenizer, target + 7 * i, first_seed + i)
+                            for i in range(8 if target == 512 else 4)]
+            times = [timed_decision(decide, request)[0] for request in new_requests]
+            repeats = [timed_decision(decide, new_requests[0])[0] for _ in range(3)]
             results[f"text_{target}_first_sight_ms, {name}"] = round(statistics.median(times), 1)
+            results[f"text_{target}_repeat_ms, {name}"] = round(statistics.median(repeats), 1)
             print(f"~{target} tokens, new lengths, {name}: median {statistics.median(times):.1f} ms "
-                  f"({', '.join(f'{t:.0f}' for t in times)})")
+                  f"({', '.join(f'{t:.0f}' for t in times)}); the first again: {statistics.median(repeats):.1f} ms")
     for name, request in media_requests().items():
         times = [timed_decision(decide, request)[0] for _ in range(3)]
         results[f"{name}_ms"] = round(statistics.median(times), 1)

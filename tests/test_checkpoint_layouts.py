@@ -433,7 +433,7 @@ def test_simulated_activations_round_the_inputs_of_quantized_attention(everythin
     seen = {}
     for projection in ("q_proj", "o_proj"):
         module = next(module for name, module in loaded.model.named_modules()
-                      if name.endswith(f"model.layers.1.self_attn.{projection}"))
+                      if name.endswith(f"layers.1.self_attn.{projection}"))
         # runs before the replay's own pre-hook: the raw input (append returns None, so nothing is replaced)
         module.register_forward_pre_hook(lambda m, args, p=projection: seen.setdefault(p, []).append(args[0]),
                                          prepend=True)
