@@ -48,6 +48,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -2492,8 +2493,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.demo or args.request:
         return answer_once(args)
-    # uvicorn handles SIGTERM and SIGINT: it stops accepting, drains for at most SHUTDOWN_DRAIN_S and returns, so the
-    # process exits 0 and its atexit handlers (the synthetic checkpoint's temporary folder) run.
+    # On SIGTERM or SIGINT uvicorn stops accepting, drains for at most SHUTDOWN_DRAIN_S, then raises the signal again
+    # under the handler it found. That handler ends the process normally: exit 0, after the atexit handlers (the
+    # synthetic checkpoint's temporary folder), where Python's own would leave 143 or a KeyboardInterrupt traceback.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda signal_number, frame: sys.exit(0))
     uvicorn.run(create_app(args), host=args.host, port=args.port, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
                 timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0
