@@ -1451,7 +1451,8 @@ def _media_item(field_name: str, index: int, item: Any) -> MediaItem:
         match = MEDIA_DATA_URL.match(item)
         if match is None:
             if "://" in item[:16]:
-                raise _invalid(media.loc, f"{media.name} is a remote URL: the server never fetches URLs; {INLINE_MEDIA}")
+                raise _invalid(media.loc, f"{media.name} is a remote URL: the server never fetches URLs; "
+                               f"{INLINE_MEDIA}")
             if item.startswith("data:"):
                 raise _invalid(media.loc, f"{media.name} is not a base64 data URL; {INLINE_MEDIA}")
             if RAW_BASE64.fullmatch("".join(item.split())):
@@ -1473,7 +1474,7 @@ def _media_item(field_name: str, index: int, item: Any) -> MediaItem:
 
 
 def _asset_item(placeholder: str, asset: Any) -> MediaItem:
-    """The base64 text of one entry of `assets`, the TypeSafe clients' form of an image:
+    """The base64 text of one entry of `assets`, the TypeSafe clients' form of an image (docs/api.md §2.5):
     {"type": "image", "format": "png" | "jpg" | "jpeg" | "webp", "data_base64": ...}. A multipart body's image parts
     arrive here already turned into data_base64 (read_json_body); an entry that still names a part had no such body."""
     media = MediaItem(("assets", placeholder), "")
@@ -1577,7 +1578,8 @@ def _refuse_picture_size(media: MediaItem, width: int, height: int, unit: str) -
 
 
 def _decode_image(media: MediaItem, data: bytes) -> PIL.Image.Image:
-    """The decoded image: PNG, JPEG or WebP (whichever the bytes are), its size checked before its pixels are decoded."""
+    """The decoded image: PNG, JPEG or WebP (whichever the bytes are), its size checked before its pixels are
+    decoded."""
     try:
         image = PIL.Image.open(io.BytesIO(data))
         if image.format not in ("PNG", "JPEG", "WEBP"):
@@ -1672,7 +1674,8 @@ def _check_video(media: MediaItem, data: bytes) -> None:
                     raise _invalid(media.loc, f"{media.name} holds over {frames - 1} frames of {width}x{height} "
                                    f"pixels, more than a video may cost to decode: at most {MAX_VIDEO_FRAMES} "
                                    f"frames and {MAX_VIDEO_DECODED_PIXELS / 1e9:.1f} gigapixels in all")
-                if packet.pts is not None and float(packet.pts * packet.time_base) > MAX_VIDEO_SECONDS:
+                seconds = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
+                if seconds > MAX_VIDEO_SECONDS:
                     raise _invalid(media.loc, f"{media.name} lasts over {MAX_VIDEO_SECONDS} s; at most "
                                    f"{MAX_VIDEO_SECONDS} s per video")
                 if first_frame is None and (first_frame := next(iter(packet.decode()), None)) is not None:
@@ -2096,8 +2099,9 @@ def decompress_body(body: bytes, encoding: str) -> bytes:
 
 async def read_multipart_body(content_type: str, body: bytes) -> tuple[str | bytes, dict[str, tuple[str, bytes]]]:
     """(the JSON request part, {part name: (content type, bytes)} of the other parts) of a multipart/form-data body,
-    as the TypeSafe clients send images: the JSON request in a part named `request`, each image as a part its entry of
-    `assets` names. Parsed from memory (the body is in memory already), so no part is spooled to a temporary file."""
+    as the TypeSafe clients send images (docs/api.md §2.5): the JSON request in a part named `request`, each image as
+    a part its entry of `assets` names. Parsed from memory (the body is in memory already), so no part is spooled to
+    a temporary file."""
     if importlib.util.find_spec("python_multipart") is None:  # Starlette parses multipart bodies with it
         raise RequestError(415, ("header", "content-type"), "multipart bodies need the python-multipart package on "
                            "the server; send the images in a JSON body instead, as assets[...].data_base64",
@@ -2129,8 +2133,8 @@ async def read_multipart_body(content_type: str, body: bytes) -> tuple[str | byt
         await form.close()
     if MULTIPART_REQUEST_PART not in parts:
         raise RequestError(422, ("body", MULTIPART_REQUEST_PART), "a multipart body needs a part named "
-                           f"{MULTIPART_REQUEST_PART!r} holding the JSON request; its parts: {', '.join(parts) or 'none'}",
-                           "missing")
+                           f"{MULTIPART_REQUEST_PART!r} holding the JSON request; its parts: "
+                           f"{', '.join(parts) or 'none'}", "missing")
     return parts.pop(MULTIPART_REQUEST_PART)[1], parts
 
 

@@ -114,10 +114,10 @@ def video_of_copies(container_format: str, codec: str, width: int, height: int, 
             sound = container.add_stream("aac", rate=8000)
             sound.layout = "mono"
         stream.codec_context.gop_size = 1000
+        stream.codec_context.options = {"deadline": "realtime", "cpu-used": "8"}  # libvpx: seconds, not minutes
         stream.codec_context.max_b_frames = 0
         frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 90, dtype=np.uint8), format="rgb24")
-        encoded = [bytes(packet) for packet in stream.encode(frame)] + [bytes(packet) for packet in stream.encode(frame)]
-        encoded += [bytes(packet) for packet in stream.encode()]
+        encoded = [bytes(packet) for packet in [*stream.encode(frame), *stream.encode(frame), *stream.encode()]]
         key_frame, repeat = encoded[0], encoded[1]
         for index in range(copies):
             packet = av.Packet(key_frame if index == 0 else repeat)
