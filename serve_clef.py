@@ -1642,7 +1642,7 @@ def _check_video(media: MediaItem, data: bytes) -> None:
     """Refuse a video that is not MP4 or WebM or that breaks a limit, without decoding it: the frame size, aspect
     ratio and durations come from the headers, the frame count and timestamps from its packets, and only its first
     frame (to see that one decodes, at the size declared) and its soundtrack (counted against the audio limit, before
-    resampling) are decoded. The decision module decodes the frames it samples, once, when it encodes the record."""
+    resampling) are decoded. The decision module decodes the frames it samples when it encodes the record."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_formats = container.format.name.split(",")
