@@ -15,6 +15,7 @@
 #   "requests",
 #   "prometheus-client",
 #   "zstandard",
+#   "python-multipart",
 # ]
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
@@ -35,8 +36,10 @@ import concurrent.futures
 import contextlib
 import enum
 import fnmatch
+import functools
 import gc
 import hmac
+import html
 import http
 import importlib.util
 import io
@@ -47,6 +50,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -58,7 +62,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import av
 import huggingface_hub
@@ -74,8 +78,10 @@ import triton.language as tl
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 
@@ -1753,10 +1759,20 @@ MEDIA_LIMITS = {
 }
 MAX_IMAGE_BYTES_TOTAL = 8 * MiB
 MAX_AUDIO_VIDEO_BYTES_TOTAL = 16 * MiB
-MAX_IMAGE_PIXELS = 16_000_000
-MAX_AUDIO_SECONDS = 300
+MAX_IMAGE_PIXELS = 16_000_000  # per image, and per video frame
+MAX_ASPECT_RATIO = 200  # the Qwen vision processors refuse images and frames longer than 200:1 (smart_resize)
+MAX_AUDIO_SECONDS = 300  # per clip, and per video soundtrack
+# The audio feature extractor reflect-pads each clip by half its 400-sample FFT window, which needs more than 200
+# samples at 16 kHz; 13 ms (208 samples) leaves room for the resampler's rounding of clips recorded at other rates.
+MIN_AUDIO_SECONDS = 0.013
 MAX_VIDEO_SECONDS = 60
-MEDIA_DATA_URL = re.compile(r"^data:(?P<content_type>[\w.+-]+/[\w.+-]+);base64,(?P<data>.*)$", re.DOTALL)
+MAX_VIDEO_FRAMES = 3_600  # 60 s at 60 frames per second
+MAX_VIDEO_DECODED_PIXELS = MAX_VIDEO_FRAMES * 1920 * 1080  # what decoding a video may cost: 60 s of 1080p at 60 fps
+# The TypeSafe form of an image: an entry of `assets`, its format named without the "image/" prefix.
+ASSET_FORMATS = {"png": "image/png", "jpg": "image/jpeg", "jpeg": "image/jpeg", "webp": "image/webp"}
+# data:<type>[;<parameter>...];base64,<data>; parameters such as charset=utf-8 or name=photo.png are ignored
+MEDIA_DATA_URL = re.compile(r"^data:(?P<content_type>[\w.+-]+/[\w.+-]+)(?:;[^;,]*)*;base64,(?P<data>.*)$", re.DOTALL)
+RAW_BASE64 = re.compile(r"^[A-Za-z0-9+/\s]{16,}={0,2}\s*$")
 INLINE_MEDIA = "send it inline as a data URL (data:<type>;base64,<data>) or as {\"content_type\": ..., \"base64\": ...}"
 
 
@@ -1769,6 +1785,19 @@ class RequestError(Exception):
         self.loc = loc
         self.message = message
         self.error_type = error_type
+
+
+class MediaItem(NamedTuple):
+    """One medium of a request, checked for shape but not decoded: where the request holds it, and its base64 text."""
+
+    loc: tuple  # ("images", 0), ("assets", "<placeholder>"), ...
+    base64_text: str
+
+    @property
+    def name(self) -> str:
+        """The item as messages name it: images[0], assets["photo"]."""
+        field_name, key = self.loc
+        return f"{field_name}[{json.dumps(key, ensure_ascii=False)}]"
 
 
 def json_type(value: Any) -> str:
@@ -1849,36 +1878,67 @@ def _validate_question(question_id: str, question: Any) -> None:
             )
 
 
-def _media_item(field_name: str, index: int, item: Any) -> tuple[str, str]:
-    """(content type, base64 text) of one media item, refusing anything that is not inline data."""
-    loc, name = (field_name, index), f"{field_name}[{index}]"
+def _media_item(field_name: str, index: int, item: Any) -> MediaItem:
+    """The base64 text of one item of images, audio or videos, refusing anything that is not inline data of a content
+    type the field accepts (the format itself is read from the decoded bytes, whatever the declared type says)."""
+    media = MediaItem((field_name, index), "")
     if isinstance(item, dict):
         content_type, data = item.get("content_type"), item.get("base64")
         if not isinstance(content_type, str) or not isinstance(data, str):
-            raise _invalid(loc, f"{name}: a media object needs the string fields content_type and base64")
+            raise _invalid(media.loc, f"{media.name}: a media object needs the string fields content_type and base64")
     elif isinstance(item, str):
         match = MEDIA_DATA_URL.match(item)
         if match is None:
             if "://" in item[:16]:
-                raise _invalid(loc, f"{name} is a remote URL: the server never fetches URLs; {INLINE_MEDIA}")
+                raise _invalid(media.loc, f"{media.name} is a remote URL: the server never fetches URLs; "
+                               f"{INLINE_MEDIA}")
             if item.startswith("data:"):
-                raise _invalid(loc, f"{name} is not a base64 data URL; {INLINE_MEDIA}")
-            raise _invalid(loc, f"{name} looks like a file path: the server never reads files; {INLINE_MEDIA}")
+                raise _invalid(media.loc, f"{media.name} is not a base64 data URL; {INLINE_MEDIA}")
+            if RAW_BASE64.fullmatch("".join(item.split())):
+                raise _invalid(media.loc, f"{media.name} looks like base64 without the data URL around it: prefix "
+                               f"it with data:<type>;base64, (e.g. data:{MEDIA_LIMITS[field_name][1][0]};base64,) "
+                               "or send {\"content_type\": ..., \"base64\": ...}")
+            raise _invalid(media.loc, f"{media.name} looks like a file path: the server never reads files; "
+                           f"{INLINE_MEDIA}")
         content_type, data = match["content_type"], match["data"]
     else:
-        raise _invalid(loc, f"{name} must be a data URL or a {{content_type, base64}} object, not {json_type(item)}")
+        raise _invalid(media.loc, f"{media.name} must be a data URL or a {{content_type, base64}} object, "
+                       f"not {json_type(item)}")
     accepted = MEDIA_LIMITS[field_name][1]
     content_type = content_type.strip().lower()
     if content_type not in accepted:
-        raise _invalid(loc, f"{name} has content type {content_type!r}; {field_name} accept {', '.join(accepted)}")
-    return content_type, data
+        raise _invalid(media.loc, f"{media.name} has content type {content_type!r}; {field_name} accept "
+                       f"{', '.join(accepted)}")
+    return media._replace(base64_text=data)
+
+
+def _asset_item(placeholder: str, asset: Any) -> MediaItem:
+    """The base64 text of one entry of `assets`, the TypeSafe clients' form of an image (docs/api.md §2.5):
+    {"type": "image", "format": "png" | "jpg" | "jpeg" | "webp", "data_base64": ...}. A multipart body's image parts
+    arrive here already turned into data_base64 (read_json_body); an entry that still names a part had no such body."""
+    media = MediaItem(("assets", placeholder), "")
+    if not isinstance(asset, dict):
+        raise _invalid(media.loc, f"{media.name} must be an object {{\"type\": \"image\", \"format\": ..., "
+                       f"\"data_base64\": ...}}, not {json_type(asset)}")
+    if asset.get("type", "image") != "image":
+        raise _invalid((*media.loc, "type"), f"{media.name}: type must be \"image\", the only asset type served")
+    asset_format = asset.get("format")
+    if asset_format is not None and asset_format not in ASSET_FORMATS:
+        raise _invalid((*media.loc, "format"), f"{media.name}: format must be one of {', '.join(ASSET_FORMATS)}")
+    if "part" in asset:
+        raise _invalid((*media.loc, "part"), f"{media.name} names a multipart part, but the body is not "
+                       "multipart/form-data: send the image as that part of a multipart body, or as data_base64")
+    if not isinstance(asset.get("data_base64"), str):
+        raise _invalid((*media.loc, "data_base64"), f"{media.name} needs the image as a base64 string in data_base64")
+    return media._replace(base64_text=asset["data_base64"])
 
 
 def validate_request(request: Any) -> tuple[dict, bool]:
     """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate).
 
     The record keeps only the fields systemone reads (unknown fields are ignored, `media_kwargs` is refused), and its
-    media items become (content type, base64 text) pairs for `decode_media`.
+    media items become MediaItems for `decode_media`. The TypeSafe clients' `assets` (placeholder -> image) join the
+    images, after those of `images`, in the order the object lists them; the placeholders stay in the text as written.
     """
     if not isinstance(request, dict):
         raise RequestError(422, ("body",), f"the body must be a JSON object, not {json_type(request)}", "dict_type")
@@ -1914,111 +1974,240 @@ def validate_request(request: Any) -> tuple[dict, bool]:
         if len(items) > max_items:
             raise _invalid((field_name,), f"{field_name} holds at most {max_items} items; got {len(items)}")
         record[field_name] = [_media_item(field_name, index, item) for index, item in enumerate(items)]
+    assets = request.get("assets")
+    if assets is not None:
+        if not isinstance(assets, dict):
+            raise _invalid(("assets",), f"assets must be an object mapping each placeholder to an image, not "
+                           f"{json_type(assets)}")
+        max_images = MEDIA_LIMITS["images"][0]
+        if len(record.get("images", [])) + len(assets) > max_images:
+            raise _invalid(("assets",), f"images and assets hold at most {max_images} images together; got "
+                           f"{len(record.get('images', [])) + len(assets)}")
+        record["images"] = record.get("images", []) + [_asset_item(placeholder, asset) for placeholder, asset in
+                                                       assets.items()]
     return record, truncate
 
 
-def _decode_base64(text: str, loc: tuple) -> bytes:
+def _decode_base64(media: MediaItem) -> bytes:
     try:
-        return base64.b64decode("".join(text.split()), validate=True)
+        return base64.b64decode("".join(media.base64_text.split()), validate=True)
     except binascii.Error as error:
-        raise _invalid(loc, f"{loc[0]}[{loc[1]}] is not valid base64: {error}") from None
+        raise _invalid(media.loc, f"{media.name} is not valid base64: {error}") from None
 
 
-def _decode_image(data: bytes, loc: tuple) -> PIL.Image.Image:
-    """The decoded image: PNG, JPEG or WebP of at most 16 megapixels (checked before the pixels are decoded)."""
-    name = f"{loc[0]}[{loc[1]}]"
+def _undecodable(media: MediaItem, what: str, error: Exception) -> RequestError:
+    """422 for a medium its decoder refused, in the decoder's words without its internals (FFmpeg's error number and
+    file name, Pillow's file object)."""
+    if isinstance(error, av.FFmpegError):
+        reason = error.strerror or type(error).__name__
+    elif isinstance(error, PIL.UnidentifiedImageError):
+        reason = "not a PNG, JPEG or WebP image"
+    else:
+        reason = str(error)
+    return _invalid(media.loc, f"{media.name} could not be decoded as {what}: {reason}")
+
+
+def _refuse_picture_size(media: MediaItem, width: int, height: int, unit: str) -> None:
+    """422 for an image or a video frame over 16 megapixels, or longer than the vision processor's 200:1."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise _invalid(media.loc, f"{media.name} has {width}x{height} pixels; at most 16 megapixels per {unit}")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise _invalid(media.loc, f"{media.name} is {width}x{height} pixels; the longer side may be at most "
+                       f"{MAX_ASPECT_RATIO} times the shorter one")
+
+
+def _decode_image(media: MediaItem, data: bytes) -> PIL.Image.Image:
+    """The decoded image: PNG, JPEG or WebP (whichever the bytes are), its size checked before its pixels are
+    decoded."""
     try:
         image = PIL.Image.open(io.BytesIO(data))
         if image.format not in ("PNG", "JPEG", "WEBP"):
-            raise _invalid(loc, f"{name} is {image.format}; images must be PNG, JPEG or WebP")
-        width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
-            raise _invalid(loc, f"{name} has {width}x{height} pixels; at most 16 megapixels per image")
+            raise _invalid(media.loc, f"{media.name} is {image.format}; images must be PNG, JPEG or WebP")
+        _refuse_picture_size(media, *image.size, "image")
         image.load()
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as error:
-        raise _invalid(loc, f"{name} could not be decoded as an image: {error}") from None
+        raise _undecodable(media, "an image", error) from None
     return image
 
 
-def _decode_audio_clip(data: bytes, loc: tuple, schema: types.ModuleType) -> np.ndarray:
-    """16 kHz mono samples of a WAV or MP3 clip of at most 300 s, measured on the decoded samples."""
-    name = f"{loc[0]}[{loc[1]}]"
+def _declared_seconds(container: av.container.InputContainer, stream: av.stream.Stream) -> float:
+    """The duration a stream's header (or else its container's) declares, 0 when neither does."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    return container.duration / av.time_base if container.duration is not None else 0.0
+
+
+def _decoded_seconds(frames: Iterable[av.AudioFrame], seconds: float, media: MediaItem, what: str) -> float:
+    """`seconds` plus the length of the decoded audio `frames`, counted before any resampling (which is what would
+    multiply a lying sample rate into gigabytes), and refused as soon as the total passes MAX_AUDIO_SECONDS. `what`
+    says whose length it is: "lasts" for a clip, "has a soundtrack of" for a video."""
+    for frame in frames:
+        seconds += frame.samples / frame.sample_rate
+        if seconds > MAX_AUDIO_SECONDS:
+            raise _invalid(media.loc, f"{media.name} {what} over {MAX_AUDIO_SECONDS} s; audio may last at most "
+                           f"{MAX_AUDIO_SECONDS} s per clip or soundtrack")
+    return seconds
+
+
+def _refuse_short_sound(media: MediaItem, seconds: float, what: str) -> None:
+    if seconds < MIN_AUDIO_SECONDS:
+        raise _invalid(media.loc, f"{media.name} {what} {seconds * 1000:.1f} ms; audio must last at least "
+                       f"{MIN_AUDIO_SECONDS * 1000:.0f} ms (the audio encoder's window)")
+
+
+def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) -> np.ndarray:
+    """16 kHz mono samples of a WAV or MP3 clip of 13 ms to 300 s. The length is bounded before the clip is resampled:
+    from the header (except MP3's, which FFmpeg only estimates), then on the decoded frames, stopping at the limit."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_format = container.format.name
-        if container_format not in ("wav", "mp3"):
-            raise _invalid(loc, f"{name} is {container_format}; audio must be WAV or MP3")
-        samples = schema.load_audio(data)
+            if container_format not in ("wav", "mp3"):
+                raise _invalid(media.loc, f"{media.name} is {container_format}; audio must be WAV or MP3")
+            if not container.streams.audio:
+                raise _invalid(media.loc, f"{media.name} has no audio stream")
+            stream = container.streams.audio[0]
+            declared = _declared_seconds(container, stream)
+            if container_format != "mp3" and declared > MAX_AUDIO_SECONDS:
+                raise _invalid(media.loc, f"{media.name} lasts {declared:.1f} s by its header; at most "
+                               f"{MAX_AUDIO_SECONDS} s per clip")
+            seconds = _decoded_seconds(container.decode(stream), 0.0, media, "lasts")
+        _refuse_short_sound(media, seconds, "lasts")
+        return schema.load_audio(data)
     except (av.FFmpegError, ValueError) as error:
-        raise _invalid(loc, f"{name} could not be decoded as audio: {error}") from None
-    seconds = len(samples) / schema.AUDIO_SAMPLE_RATE
-    if seconds > MAX_AUDIO_SECONDS:
-        raise _invalid(loc, f"{name} lasts {seconds:.1f} s; at most {MAX_AUDIO_SECONDS} s per clip")
-    return samples
+        raise _undecodable(media, "audio", error) from None
 
 
-def _check_video(data: bytes, loc: tuple) -> None:
-    """Refuse a video that is not MP4 or WebM, has no decodable frame, or lasts over 60 s by its decoded frames."""
-    name = f"{loc[0]}[{loc[1]}]"
+def _check_video(media: MediaItem, data: bytes) -> None:
+    """Refuse a video that is not MP4 or WebM or that breaks a limit, without decoding it: the frame size, aspect
+    ratio and durations come from the headers, the frame count and timestamps from its packets, and only its first
+    frame (to see that one decodes, at the size declared) and its soundtrack (counted against the audio limit, before
+    resampling) are decoded. The decision module decodes the frames it samples when it encodes the record."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_formats = container.format.name.split(",")
             if "mp4" not in container_formats and "webm" not in container_formats:
-                raise _invalid(loc, f"{name} is {container.format.name}; videos must be MP4 or WebM")
+                raise _invalid(media.loc, f"{media.name} is {container.format.name}; videos must be MP4 or WebM")
             if not container.streams.video:
-                raise _invalid(loc, f"{name} has no video stream")
-            decoded_frames = 0
-            for frame in container.decode(video=0):
-                decoded_frames += 1
-                if frame.time is not None and frame.time > MAX_VIDEO_SECONDS:
-                    raise _invalid(loc, f"{name} lasts over {MAX_VIDEO_SECONDS} s; at most {MAX_VIDEO_SECONDS} s each")
+                raise _invalid(media.loc, f"{media.name} has no video stream")
+            video = container.streams.video[0]
+            width, height = video.codec_context.width, video.codec_context.height
+            _refuse_picture_size(media, width, height, "frame")
+            declared = _declared_seconds(container, video)
+            if declared > MAX_VIDEO_SECONDS:
+                raise _invalid(media.loc, f"{media.name} lasts {declared:.1f} s by its header; at most "
+                               f"{MAX_VIDEO_SECONDS} s per video")
+            soundtrack = container.streams.audio[0] if container.streams.audio else None
+            declared = 0.0 if soundtrack is None else _declared_seconds(container, soundtrack)
+            if declared > MAX_AUDIO_SECONDS:
+                raise _invalid(media.loc, f"{media.name} has a soundtrack of {declared:.1f} s by its header; "
+                               f"soundtracks count against the audio limit of {MAX_AUDIO_SECONDS} s per clip")
+            frames, first_frame, sound_seconds = 0, None, 0.0
+            for packet in container.demux([video] + ([soundtrack] if soundtrack is not None else [])):
+                if packet.stream is soundtrack:
+                    sound_seconds = _decoded_seconds(packet.decode(), sound_seconds, media, "has a soundtrack of")
+                    continue
+                if packet.size == 0:  # the demuxer's end-of-stream marker
+                    continue
+                frames += 1
+                if frames > MAX_VIDEO_FRAMES or frames * width * height > MAX_VIDEO_DECODED_PIXELS:
+                    raise _invalid(media.loc, f"{media.name} holds over {frames - 1} frames of {width}x{height} "
+                                   f"pixels, more than a video may cost to decode: at most {MAX_VIDEO_FRAMES} "
+                                   f"frames and {MAX_VIDEO_DECODED_PIXELS / 1e9:.1f} gigapixels in all")
+                seconds = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
+                if seconds > MAX_VIDEO_SECONDS:
+                    raise _invalid(media.loc, f"{media.name} lasts over {MAX_VIDEO_SECONDS} s; at most "
+                                   f"{MAX_VIDEO_SECONDS} s per video")
+                if first_frame is None and (first_frame := next(iter(packet.decode()), None)) is not None:
+                    # frames larger than the header said are refused, and counted at their own size from here on
+                    _refuse_picture_size(media, first_frame.width, first_frame.height, "frame")
+                    width, height = max(width, first_frame.width), max(height, first_frame.height)
+            if first_frame is None and frames:  # a decoder that holds frames back gives them up when flushed
+                first_frame = next(iter(video.codec_context.decode(None)), None)
+                if first_frame is not None:
+                    _refuse_picture_size(media, first_frame.width, first_frame.height, "frame")
     except (av.FFmpegError, ValueError) as error:
-        raise _invalid(loc, f"{name} could not be decoded as a video: {error}") from None
-    if decoded_frames == 0:
-        raise _invalid(loc, f"{name} has no decodable frames")
+        raise _undecodable(media, "a video", error) from None
+    if first_frame is None:
+        raise _invalid(media.loc, f"{media.name} has no decodable frames")
+    if sound_seconds:
+        _refuse_short_sound(media, sound_seconds, "has a soundtrack of")
 
 
 def decode_media(record: dict, schema: types.ModuleType) -> dict:
     """The record with its media decoded and measured against the limits of docs/api.md §2.4.
 
-    Every size is checked before any medium is decoded. Images become PIL images and audio clips 16 kHz samples,
-    which systemone takes as they are; videos stay bytes, checked here, because systemone reads their soundtrack
-    from the container.
+    Every size is checked before any medium is decoded, and every duration, frame size and frame count before the
+    costly decoding. Images (`assets` among them) become PIL images and audio clips 16 kHz samples, which systemone
+    takes as they are; videos stay bytes, checked here, because systemone reads their frames and soundtrack itself.
     """
-    data = {}  # field -> decoded base64 bytes of each item
+    data = {}  # field -> (item, its decoded base64 bytes) of each item
     for field_name, (_, _, max_item_bytes) in MEDIA_LIMITS.items():
-        data[field_name] = [_decode_base64(text, (field_name, index)) for index, (_, text) in
-                            enumerate(record.get(field_name, []))]
-        for index, item in enumerate(data[field_name]):
+        data[field_name] = [(media, _decode_base64(media)) for media in record.get(field_name, [])]
+        for media, item in data[field_name]:
             if len(item) > max_item_bytes:
-                raise _invalid((field_name, index), f"{field_name}[{index}] is {len(item) / MiB:.1f} MiB decoded; "
-                               f"at most {max_item_bytes // MiB} MiB each")
-    image_bytes = sum(len(item) for item in data["images"])
+                raise _invalid(media.loc, f"{media.name} is {len(item) / MiB:.1f} MiB decoded; at most "
+                               f"{max_item_bytes // MiB} MiB each")
+    image_bytes = sum(len(item) for _, item in data["images"])
     if image_bytes > MAX_IMAGE_BYTES_TOTAL:
         raise _invalid(("images",), f"images total {image_bytes / MiB:.1f} MiB decoded; at most "
                        f"{MAX_IMAGE_BYTES_TOTAL // MiB} MiB per request")
-    audio_video_bytes = sum(len(item) for item in data["audio"] + data["videos"])
+    audio_video_bytes = sum(len(item) for _, item in data["audio"] + data["videos"])
     if audio_video_bytes > MAX_AUDIO_VIDEO_BYTES_TOTAL:
         raise _invalid(("audio",), f"audio and videos total {audio_video_bytes / MiB:.1f} MiB decoded; at most "
                        f"{MAX_AUDIO_VIDEO_BYTES_TOTAL // MiB} MiB per request")
 
     decoded = dict(record)
     if data["images"]:
-        decoded["images"] = [_decode_image(item, ("images", index)) for index, item in enumerate(data["images"])]
+        decoded["images"] = [_decode_image(media, item) for media, item in data["images"]]
     if data["audio"]:
-        decoded["audio"] = [_decode_audio_clip(item, ("audio", index), schema) for index, item in
-                            enumerate(data["audio"])]
+        decoded["audio"] = [_decode_audio_clip(media, item, schema) for media, item in data["audio"]]
     if data["videos"]:
-        for index, item in enumerate(data["videos"]):
-            _check_video(item, ("videos", index))
-        decoded["videos"] = data["videos"]
+        for media, item in data["videos"]:
+            _check_video(media, item)
+        decoded["videos"] = [item for _, item in data["videos"]]
     return decoded
+
+
+@functools.cache
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` can stand for: its longest vocabulary entry. Byte-level
+    BPE vocabularies (Qwen's) spell each byte of UTF-8 as one character, so this counts bytes, which are never fewer
+    than the characters they encode. Cached: a vocabulary of 151,000 entries takes a while to list."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+STATE_CUT_MARGIN_TOKENS = 64  # beyond the tokens kept, so that where the text is cut cannot change them
+
+
+def cap_state_text(loaded: LoadedClef, record: dict, max_length: int, truncate: bool) -> dict:
+    """The record with its state, as the prompt renders it, cut to what `max_length` tokens can possibly cover, before
+    anything tokenizes it: a 13 MiB state is not tokenized whole to keep its first 64,000 tokens.
+
+    No token stands for more than `longest_token_chars` characters, so the tokens kept from the whole state all lie in
+    its first max_length × that many characters. The cut falls STATE_CUT_MARGIN_TOKENS tokens' worth of characters
+    further on: the text's split into words and BPE merges reach only a token or so across a cut, so the tokens kept
+    are exactly those of the whole state. With truncate false, a state of more characters cannot fit: 413 at once.
+    """
+    longest = longest_token_chars(loaded.processor.tokenizer)
+    limit = (max_length + STATE_CUT_MARGIN_TOKENS) * longest
+    state = record["state"]
+    if isinstance(state, str) and len(state) <= limit:
+        return record
+    text = loaded.schema.render(state)
+    if len(text) <= limit:
+        return record
+    if not truncate:
+        raise RequestError(413, ("body", "state"), f"maximum context length: the state has {len(text)} characters, "
+                           f"more than {max_length} tokens of at most {longest} characters each can hold, and "
+                           "truncate is false", "context_too_long")
+    return {**record, "state": text[:limit]}
 
 
 def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
     """(the record encoded by the decision module's own encode_record, how many state tokens were cut to fit), or a
     RequestError: 413 when it cannot fit `max_length` tokens (truncate false: at all; truncate true: not even with
     its state cut), 422 for other refusals. Only a record cut to fit is encoded a second time, to count the cut."""
+    record = cap_state_text(loaded, record, max_length, truncate)
     schema, processor = loaded.schema, loaded.processor
 
     def encode_within(limit: int):
@@ -2124,6 +2313,10 @@ def decide(
 # decision and health endpoints answer 503. Every error body has the shapes of docs/api.md §6.1.
 
 MAX_BODY_BYTES = 13 * MiB
+MULTIPART_REQUEST_PART = "request"  # the part holding the JSON request in the TypeSafe clients' multipart bodies
+BODY_READ_TIMEOUT_S = 60  # from the first byte of a request body to its last: 13 MiB takes under 60 s at 2 Mbit/s
+KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this long
+SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
 DEFAULT_MAX_BATCH_TOKENS = 8192  # the largest CUDA-graph bucket
@@ -2132,6 +2325,74 @@ DEFAULT_REQUEST_TIMEOUT_S = 60.0
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
+
+
+_DESCRIPTION = {"description": "text or JSON shown to the model", "type": ["string", "object", "array", "null"]}
+_MEDIA_ITEM = {
+    "oneOf": [
+        {"type": "string", "description": "a data URL: data:<content type>;base64,<data>"},
+        {"type": "object", "required": ["content_type", "base64"],
+         "properties": {"content_type": {"type": "string"}, "base64": {"type": "string"}}},
+    ]
+}
+# The request of POST /v1/systemone as docs/api.md §2 describes it, for the OpenAPI document and /docs. The server
+# checks requests with validate_request, field by field, and not against this schema.
+SYSTEMONE_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["model", "state", "questions"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "description": "any name; echoed in the answer"},
+        "state": {"type": ["string", "object", "array"], "description": "what the questions are about"},
+        "questions": {
+            "type": "object", "minProperties": 1, "maxProperties": MAX_QUESTIONS,
+            "description": "question id -> question; the answers come in this order",
+            "additionalProperties": {
+                "type": "object", "required": ["type"],
+                "properties": {
+                    "type": {"enum": ["noul", "choice", "score"]},
+                    "instructions": _DESCRIPTION,
+                    "criteria": {
+                        "description": "noul: optional {\"true\": ..., \"false\": ...}; choice: option id -> "
+                        f"description, 2 to {MAX_CHOICE_OPTIONS}; score: {MIN_SCORE_LEVELS} to {MAX_SCORE_LEVELS} "
+                        "level descriptions, lowest first",
+                        "type": ["object", "array", "null"],
+                    },
+                },
+            },
+        },
+        **{field_name: {"type": ["array", "null"], "maxItems": max_items, "items": _MEDIA_ITEM,
+                        "description": f"inline media of type {', '.join(content_types)}"}
+           for field_name, (max_items, content_types, _) in MEDIA_LIMITS.items()},
+        "assets": {
+            "type": "object", "description": "the TypeSafe clients' images, by placeholder; they join `images`",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {"type": {"const": "image"}, "format": {"enum": list(ASSET_FORMATS)},
+                               "data_base64": {"type": "string"},
+                               "part": {"type": "string", "description": "the image's part of a multipart body"}},
+            },
+        },
+        "truncate": {"type": "boolean", "default": True, "description": "false: refuse a state too long to fit"},
+        "id": {"description": "the record id handed to the decision module"},
+    },
+}
+SYSTEMONE_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": SYSTEMONE_REQUEST_SCHEMA},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object", "required": [MULTIPART_REQUEST_PART],
+                    "properties": {MULTIPART_REQUEST_PART: SYSTEMONE_REQUEST_SCHEMA},
+                    "additionalProperties": {"type": "string", "format": "binary",
+                                             "description": "an image, named by an entry of assets"},
+                },
+                "encoding": {MULTIPART_REQUEST_PART: {"contentType": "application/json"}},
+            },
+        },
+    },
+}
 
 
 def error_body(status: int, message: str, error_type: str, loc: tuple = ("body",)) -> dict:
@@ -2155,6 +2416,8 @@ def error_response(error: RequestError, **fields: Any) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if error.error_type in ("model_loading", "overloaded"):
         headers["Retry-After"] = str(RETRY_AFTER_S)
+    if error.status == 408:  # the rest of the body may still be on its way: the connection cannot carry another request
+        headers["Connection"] = "close"
     body = {**fields, **error_body(error.status, error.message, error.error_type, error.loc)}
     return JSONResponse(body, error.status, headers)
 
@@ -2390,12 +2653,82 @@ def decompress_body(body: bytes, encoding: str) -> bytes:
     return decoded
 
 
+async def read_multipart_body(content_type: str, body: bytes) -> tuple[str | bytes, dict[str, tuple[str, bytes]]]:
+    """(the JSON request part, {part name: (content type, bytes)} of the other parts) of a multipart/form-data body,
+    as the TypeSafe clients send images (docs/api.md §2.5): the JSON request in a part named `request`, each image as
+    a part its entry of `assets` names. Parsed from memory (the body is in memory already), so no part is spooled to
+    a temporary file."""
+    if importlib.util.find_spec("python_multipart") is None:  # Starlette parses multipart bodies with it
+        raise RequestError(415, ("header", "content-type"), "multipart bodies need the python-multipart package on "
+                           "the server; send the images in a JSON body instead, as assets[...].data_base64",
+                           "unsupported_media_type")
+
+    async def chunks():
+        yield body
+
+    max_parts = MEDIA_LIMITS["images"][0]
+    parser = MultiPartParser(Headers({"content-type": content_type}), chunks(), max_files=max_parts + 1,
+                             max_fields=max_parts + 1, max_part_size=MAX_BODY_BYTES)
+    parser.spool_max_size = MAX_BODY_BYTES
+    try:
+        form = await parser.parse()
+    except MultiPartException as error:
+        raise RequestError(422, ("body",), f"the multipart body could not be read: {error.message}",
+                           "multipart_invalid") from None
+    try:
+        parts = {}
+        for name, value in form.multi_items():
+            if name in parts:
+                raise RequestError(422, ("body", name), f"the multipart body holds two parts named {name!r}",
+                                   "multipart_invalid")
+            if isinstance(value, str):
+                parts[name] = ("text/plain", value)
+            else:
+                parts[name] = (value.content_type or "application/octet-stream", await value.read())
+    finally:
+        await form.close()
+    if MULTIPART_REQUEST_PART not in parts:
+        raise RequestError(422, ("body", MULTIPART_REQUEST_PART), "a multipart body needs a part named "
+                           f"{MULTIPART_REQUEST_PART!r} holding the JSON request; its parts: "
+                           f"{', '.join(parts) or 'none'}", "missing")
+    return parts.pop(MULTIPART_REQUEST_PART)[1], parts
+
+
+def attach_multipart_images(payload: Any, parts: dict[str, tuple[str, bytes]]) -> None:
+    """Put each image part into the entry of `assets` that names it, as that entry's data_base64, so that one check
+    (`validate_request`) serves JSON and multipart bodies alike. A part no entry names gets 422."""
+    assets = payload.get("assets") if isinstance(payload, dict) else None
+    claimed = set()
+    for placeholder, asset in (assets.items() if isinstance(assets, dict) else ()):
+        if not isinstance(asset, dict) or not isinstance(asset.get("part"), str):
+            continue
+        if asset["part"] not in parts:
+            raise RequestError(422, ("body", "assets", placeholder, "part"), f"assets[{json.dumps(placeholder)}] "
+                               f"names the part {asset['part']!r}, which the multipart body does not hold; its "
+                               f"parts: {', '.join(parts) or 'none besides the request'}", "missing")
+        claimed.add(asset["part"])
+        part_bytes = parts[asset["part"]][1]
+        if isinstance(part_bytes, str):
+            part_bytes = part_bytes.encode()
+        assets[placeholder] = {key: value for key, value in asset.items() if key != "part"}
+        assets[placeholder]["data_base64"] = base64.b64encode(part_bytes).decode()
+    unclaimed = [name for name in parts if name not in claimed]
+    if unclaimed:
+        raise RequestError(422, ("body", unclaimed[0]), f"the multipart part {unclaimed[0]!r} is not named by any "
+                           "entry of assets; name it there as {\"type\": \"image\", \"part\": ...} or leave it out")
+
+
 async def read_json_body(request: Request) -> Any:
-    """The parsed body: 415 if not JSON or in an unknown Content-Encoding, 413 over 13 MiB (declared, streamed or
-    decompressed), 422 if it does not parse, 400 for values nothing can represent."""
-    media_type = request.headers.get("content-type", "application/json").partition(";")[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise RequestError(415, ("header", "content-type"), f"the body must be application/json, not {media_type}",
+    """The parsed body: 415 if neither JSON nor multipart or in an unknown Content-Encoding, 413 over 13 MiB
+    (declared, streamed or decompressed), 408 when it has not arrived within BODY_READ_TIMEOUT_S, 422 if it does not
+    parse, 400 for values nothing can represent. A multipart body (the TypeSafe clients' image uploads) gives its
+    JSON request part, with the image parts put into the `assets` entries that name them."""
+    content_type = request.headers.get("content-type", "application/json")
+    media_type = content_type.partition(";")[0].strip().lower()
+    multipart = media_type == "multipart/form-data"
+    if not multipart and media_type != "application/json" and not media_type.endswith("+json"):
+        raise RequestError(415, ("header", "content-type"), f"the body must be application/json (or multipart/"
+                           f"form-data with a JSON part named {MULTIPART_REQUEST_PART!r}), not {media_type}",
                            "unsupported_media_type")
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in CONTENT_ENCODINGS:
@@ -2406,12 +2739,20 @@ async def read_json_body(request: Request) -> Any:
     if declared_length.isdigit() and int(declared_length) > MAX_BODY_BYTES:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):  # a client that sends half a body does not hold on forever
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise too_large
+    except TimeoutError:
+        raise RequestError(408, ("body",), f"the body did not arrive within {BODY_READ_TIMEOUT_S} s: send the whole "
+                           f"body ({len(body)} bytes came)", "request_timeout") from None
     if encoding != "identity":
         body = decompress_body(bytes(body), encoding)
+    parts = {}
+    if multipart:
+        body, parts = await read_multipart_body(content_type, bytes(body))
 
     def refuse_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
@@ -2424,6 +2765,8 @@ async def read_json_body(request: Request) -> Any:
         loc = ("body",) if position is None else ("body", position)
         raise RequestError(422, loc, f"the body is not valid JSON: {error}", "json_invalid") from None
     refuse_unrepresentable_values(parsed, ("body",))
+    if multipart:
+        attach_multipart_images(parsed, parts)
     return parsed
 
 
@@ -2498,7 +2841,8 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         service.start()  # the scoring thread loads (and warms up) the model, then scores
         yield
 
-    app = FastAPI(title="serve_clef", lifespan=lifespan)
+    # /docs is served below without a CDN; ReDoc would need one too
+    app = FastAPI(title="serve_clef", lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -2530,7 +2874,7 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
 
     app.add_middleware(ObserveDecisions, metrics=service.metrics)
 
-    @app.post("/v1/systemone")
+    @app.post("/v1/systemone", openapi_extra=SYSTEMONE_OPENAPI)
     async def systemone(request: Request) -> JSONResponse:
         service.check_api_key(request)
         service.ready()
@@ -2577,7 +2921,27 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
     async def livez() -> dict:
         return {"live": True}
 
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(docs_page(app.openapi()))
+
     return app
+
+
+def docs_page(openapi: dict) -> str:
+    """GET /docs: the OpenAPI document as one self-contained HTML page, every endpoint with its request schema.
+    FastAPI's Swagger UI loads its scripts from a CDN, so it is blank on a machine without internet access."""
+    sections = []
+    for path, operations in openapi["paths"].items():
+        for method, operation in operations.items():
+            sections.append(f"<h2>{method.upper()} {html.escape(path)}</h2>")
+            if "requestBody" in operation:
+                request_body = json.dumps(operation["requestBody"]["content"], indent=2, ensure_ascii=False)
+                sections.append(f"<p>Request body, by content type:</p><pre>{html.escape(request_body)}</pre>")
+    title = html.escape(openapi["info"]["title"])
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title} API</title></head><body>"
+            f"<h1>{title} API</h1><p>The OpenAPI document itself: <a href=\"/openapi.json\">/openapi.json</a>.</p>"
+            f"{''.join(sections)}</body></html>")
 
 
 def console(line: str) -> None:
@@ -2729,7 +3093,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.demo or args.request:
         return answer_once(args)
-    uvicorn.run(create_app(args), host=args.host, port=args.port)
+    # On SIGTERM or SIGINT uvicorn stops accepting, drains for at most SHUTDOWN_DRAIN_S, then raises the signal again
+    # under the handler it found. That handler ends the process normally: exit 0, after the atexit handlers (the
+    # synthetic checkpoint's temporary folder), where Python's own would leave 143 or a KeyboardInterrupt traceback.
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda signal_number, frame: sys.exit(0))
+    uvicorn.run(create_app(args), host=args.host, port=args.port, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+                timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0
 
 
