@@ -11,11 +11,11 @@ Checks (each counts toward the exit status; nothing is printed as OK that was no
    order: that gate is tighter.
 
 Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
-serving engine runs it, for each candidate tile configuration, the unpack path, and the W4A4 replay; the tiles as
-served also without a graph (eager launches); the bf16 matmul rate and copy bandwidth of this GPU in the same run,
-for the ceilings.
+serving engine runs it: the tiles as served (also without a graph: eager launches), the unpack path, the W4A4
+replay, and with --sweep every candidate tile configuration (how EXPERT_TILES was chosen; minutes of compiling);
+the bf16 matmul rate and copy bandwidth of this GPU in the same run, for the ceilings.
 
-Usage: python3 bench/check_expert_kernels.py   (writes $OUT/expert_kernels.json when OUT is set)
+Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_kernels.json when OUT is set)
 """
 
 import dataclasses
@@ -181,7 +181,7 @@ def main() -> int:
         row["unpack_w4a4_ms"] = graph_ms(lambda: layer.forward_unpacked(*inputs))
         layer.simulate_fp4_activations = False
         best = None
-        for tiles in CANDIDATE_TILES:
+        for tiles in CANDIDATE_TILES if "--sweep" in sys.argv[1:] else [serve_clef.expert_tiles(8 * num_tokens, 128)]:
             serve_clef.EXPERT_TILES = ((None, tiles),)
             try:
                 milliseconds = graph_ms(lambda: layer.forward_packed(*inputs))

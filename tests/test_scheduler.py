@@ -2,6 +2,7 @@
 with Retry-After), a request that waits past its deadline gets 503, and the request of a client that went away is
 never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -38,6 +39,16 @@ class HeldForward:
         return self.forward(batch)
 
 
+@contextlib.contextmanager
+def server_with_held_device(loaded, monkeypatch, *flags: str):
+    """(base URL, HeldForward) of an in-process server on the tiny model, its next forward held until `held.go`."""
+    held = HeldForward(loaded, monkeypatch)
+    with serve_in_thread(serve_clef.create_app(server_args(*flags), load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.go.clear()
+        yield base_url, held
+
+
 def request_with_id(number: int) -> dict:
     return {**GOOD_REQUEST, "id": f"r{number}", "state": f"ticket {number}: the parcel arrived {number} days late"}
 
@@ -48,11 +59,7 @@ def post(base_url: str, body: dict) -> requests.Response:
 
 def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monkeypatch):
     tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
-    held = HeldForward(loaded, monkeypatch)
-    app = serve_clef.create_app(server_args("--max-batch-tokens", str(3 * tokens + 2)), load=lambda a, progress: loaded)
-    with serve_in_thread(app) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        held.go.clear()
+    with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(3 * tokens + 2)) as (base_url, held):
         with ThreadPoolExecutor(max_workers=8) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)  # r0 holds the device; the next seven queue behind it
@@ -68,11 +75,7 @@ def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monk
 
 
 def test_a_full_queue_gets_503_with_retry_after(loaded, monkeypatch):
-    held = HeldForward(loaded, monkeypatch)
-    app = serve_clef.create_app(server_args("--max-queue", "2"), load=lambda a, progress: loaded)
-    with serve_in_thread(app) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        held.go.clear()
+    with server_with_held_device(loaded, monkeypatch, "--max-queue", "2") as (base_url, held):
         with ThreadPoolExecutor(max_workers=2) as pool:
             queued = [pool.submit(post, base_url, request_with_id(number)) for number in range(2)]
             assert held.started.acquire(timeout=TIMEOUT_S)
@@ -86,11 +89,7 @@ def test_a_full_queue_gets_503_with_retry_after(loaded, monkeypatch):
 
 
 def test_a_request_past_its_deadline_gets_503_and_is_not_scored(loaded, monkeypatch):
-    held = HeldForward(loaded, monkeypatch)
-    app = serve_clef.create_app(server_args("--request-timeout", "1"), load=lambda a, progress: loaded)
-    with serve_in_thread(app) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        held.go.clear()
+    with server_with_held_device(loaded, monkeypatch, "--request-timeout", "1") as (base_url, held):
         with ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)
@@ -104,11 +103,7 @@ def test_a_request_past_its_deadline_gets_503_and_is_not_scored(loaded, monkeypa
 
 
 def test_the_request_of_a_client_that_went_away_is_not_scored(loaded, monkeypatch):
-    held = HeldForward(loaded, monkeypatch)
-    app = serve_clef.create_app(server_args(), load=lambda a, progress: loaded)
-    with serve_in_thread(app) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        held.go.clear()
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
         with ThreadPoolExecutor(max_workers=1) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)
