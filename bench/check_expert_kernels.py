@@ -139,6 +139,7 @@ def main() -> int:
     for name in ("gate_up", "down"):
         scales = getattr(layer, f"{name}_input_scale")
         scales.copy_((torch.rand(scales.shape, generator=generator, device="cuda") + 0.5) * scales)
+        layer.input_scale_values[name] = set(scales.tolist())  # what store() records while loading a checkpoint
     layer.simulate_fp4_activations = True
     assert not layer.gate_up_input_scales_shared
     for num_tokens in (7, 512):
