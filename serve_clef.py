@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import atexit
 import base64
-import binascii
 import concurrent.futures
 import contextlib
 import enum
@@ -1991,7 +1990,7 @@ def validate_request(request: Any) -> tuple[dict, bool]:
 def _decode_base64(media: MediaItem) -> bytes:
     try:
         return base64.b64decode("".join(media.base64_text.split()), validate=True)
-    except binascii.Error as error:
+    except ValueError as error:  # invalid base64 (binascii's Error is a ValueError), or text that is not ASCII
         raise _invalid(media.loc, f"{media.name} is not valid base64: {error}") from None
 
 
