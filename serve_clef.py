@@ -19,9 +19,10 @@
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
 
-Sections, top to bottom, in the order data flows: packed experts (the NVFP4 format, the activation replay, the Triton
-packed-expert kernels, the experts module), checkpoint loading, the engine (the text decoder in CUDA graphs),
-decisions (requests), HTTP, command line.
+Sections, top to bottom, in the order data flows: the command line's flags (parsed before the heavy imports, so that
+--help answers at once), packed experts (the NVFP4 format, the activation replay, the Triton packed-expert kernels, the
+experts module), checkpoint loading, the engine (the text decoder in CUDA graphs), decisions (requests), HTTP, running
+the command line.
 Dimension letters in shape comments: T tokens, E experts, H hidden, I expert width, K experts per token (top-k),
 S (token, expert) pairs, P padded slots, R/N/C the rows, output columns and reduced columns of a kernel tile.
 """
@@ -57,6 +58,71 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+# ==== command line: the flags =========================================================================================
+# Defined and parsed before the heavy imports below (torch, transformers and triton take ~7 s), so that --help and a
+# mistyped flag answer at once; running the command line is the last section.
+
+DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
+DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
+EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="serve_clef.py",
+        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
+        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
+        f"Default: {DEFAULT_MODEL}.",
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
+    parser.add_argument("--device", help="Torch device to run on. Default: cuda when available, else cpu.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    parser.add_argument("--demo", action="store_true",
+                        help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
+    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
+    parser.add_argument(
+        "--simulate-fp4-activations",
+        action="store_true",
+        help="W4A4 (ModelOpt NVFP4) checkpoints only: round every expert input to NVFP4 as ModelOpt calibrated it, "
+        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
+    )
+    parser.add_argument(
+        "--no-packed-nvfp4",
+        action="store_true",
+        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
+    )
+    parser.add_argument(
+        "--expert-kernels",
+        choices=EXPERT_KERNELS,
+        default="auto",
+        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
+        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
+        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVE_CLEF_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # exits here on --help or a bad flag; main() parses again once everything below is defined
 
 import av
 import huggingface_hub
@@ -609,11 +675,8 @@ class PackedNVFP4Experts(torch.nn.Module):
 
 # ==== checkpoint loading ==============================================================================================
 
-DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
-DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
 SIBLING_FILES = "joint_schema_model.py and synthetic_release.py, beside serve_clef.py in the serve_clef repository"
 SYNTHETIC_MODELS = ("synthetic", "synthetic:full")
-EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
 
 
 class CheckpointError(ValueError):
@@ -2022,63 +2085,7 @@ def console(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-# ==== command line ====================================================================================================
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="serve_clef.py",
-        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
-    )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
-        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
-        f"Default: {DEFAULT_MODEL}.",
-    )
-    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="Torch device to run on. Default: cuda when available, else cpu.",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
-    parser.add_argument("--demo", action="store_true",
-                        help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
-    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
-    parser.add_argument(
-        "--simulate-fp4-activations",
-        action="store_true",
-        help="W4A4 (ModelOpt NVFP4) checkpoints only: round every expert input to NVFP4 as ModelOpt calibrated it, "
-        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
-    )
-    parser.add_argument(
-        "--no-packed-nvfp4",
-        action="store_true",
-        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
-    )
-    parser.add_argument(
-        "--expert-kernels",
-        choices=EXPERT_KERNELS,
-        default="auto",
-        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
-        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
-        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        default=DEFAULT_MAX_LENGTH,
-        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("SERVE_CLEF_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
-    )
-    return parser.parse_args(argv)
-
+# ==== command line: running ===========================================================================================
 
 DEMO_REQUEST = {
     "model": SERVED_NAME,
