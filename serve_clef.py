@@ -719,6 +719,7 @@ class LoadedClef:
 
 
 SYNTHETIC_NOTICE = "synthetic checkpoint: random weights, every answer is meaningless (for testing the server only)"
+SYNTHETIC_MARKER = "synthetic_release.json"  # synthetic_release.py writes it into every release; exports copy it
 # Nothing is calibrated in a synthetic checkpoint, so every expert input gets the input_scale that max calibration
 # gives activations whose absolute max is 6: 6 / (6 * 448).
 SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
@@ -1156,6 +1157,9 @@ def load_clef(
         checkpoint_dir, tensors = synthetic_checkpoint(model, device, progress)
     else:
         checkpoint_dir = resolve_checkpoint_dir(model, revision)
+        if (checkpoint_dir / SYNTHETIC_MARKER).exists():
+            notice = SYNTHETIC_NOTICE
+            progress(f"{checkpoint_dir}: {notice}")
     kind = checkpoint_kind(checkpoint_dir)
     if simulate_fp4_activations and not kind.has_input_scales:
         raise CheckpointError(
