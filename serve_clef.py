@@ -53,6 +53,7 @@ import time
 import traceback
 import types
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -141,6 +142,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.integrations.moe import grouped_mm_experts_forward
+
+# torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
+# torch.jit.script_method: torch's own deprecation, nothing a user of serve_clef can act on.
+warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 
 # ==== packed experts and their kernels ================================================================================
@@ -838,8 +843,13 @@ def load_processor(checkpoint_dir: Path, schema: types.ModuleType):
     """The release's processor, through the decision module's own `load_processor` where it has one (serve_clef's
     also builds one on machines without torchvision), else transformers' AutoProcessor."""
     if hasattr(schema, "load_processor"):
-        return schema.load_processor(checkpoint_dir)
-    return transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        processor = schema.load_processor(checkpoint_dir)
+    else:
+        processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+    # A state is tokenised whole, then cut to --max-length by encode_record, so the tokenizer's own limit (65,536 in
+    # the release's tokenizer_config.json) would only warn, misleadingly, of "indexing errors" on every long state.
+    processor.tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
+    return processor
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
