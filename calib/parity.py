@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.11"
 # dependencies = [
-#   "torch>=2.9",
+#   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "safetensors",
 #   "tokenizers",
