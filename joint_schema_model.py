@@ -303,7 +303,10 @@ def _encode_media(processor, record: dict) -> tuple[list[int], dict | None]:
         audio_sources += list(range(len(videos)))
 
     if videos:
-        options = {"images_kwargs": {"size": IMAGE_SIZE}, "videos_kwargs": {"fps": VIDEO_FPS, "do_sample_frames": False}}
+        options = {
+            "images_kwargs": {"size": IMAGE_SIZE},
+            "videos_kwargs": {"fps": VIDEO_FPS, "do_sample_frames": False},
+        }
         if _takes_load_audio_from_video(processor):  # transformers >= 5.2x, where use_audio_in_video is deprecated
             options["load_audio_from_video"] = use_audio_in_video
         else:

@@ -54,10 +54,12 @@ if str(REPO_ROOT) not in sys.path:  # run as a script (`python calib/quantize.py
 
 from calib.records import calibration_records
 
-# ModelOpt 0.47 warns on import that any transformers newer than its own pin is "not tested"; this recipe is tested
-# with transformers 5.17 and 5.24, and the fix it suggests (nvidia-modelopt[hf]) pins transformers < 5.15.
+# Importing ModelOpt 0.47 warns that any transformers newer than its own pin is "not tested" (this recipe is tested with
+# transformers 5.17 and 5.24, and the fix it suggests, nvidia-modelopt[hf], pins transformers < 5.15), and scripts
+# functions with the deprecated torch.jit.script and script_method (deprecations addressed to ModelOpt's authors).
 warnings.filterwarnings("ignore", r"transformers \S+ is not tested with current version of modelopt", UserWarning,
                         r"modelopt\.")
+warnings.filterwarnings("ignore", r"`torch\.jit\.script(_method)?` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
 # audio tower, the talker or code2wav (docs/nvfp4-format.md §4.2). The joint head is never handed to ModelOpt at all.
@@ -223,14 +225,12 @@ def export(backbone, clef, release_dir: Path, out_dir: Path) -> None:
 
     backbone.thinker.lm_head = clef.output_embeddings  # put the real LM head back so it is exported
     backbone.forward = types.MethodType(_thinker_forward, backbone)
-    # The exporter reads config.torch_dtype and calls torch.jit.script, and transformers and torch answer with
-    # deprecation warnings addressed to ModelOpt's authors: silenced here, message by message.
+    # The exporter reads config.torch_dtype, and transformers answers with a deprecation addressed to ModelOpt's
+    # authors: that one message is dropped while it exports.
     config_logger = logging.getLogger("transformers.configuration_utils")
     config_logger.addFilter(_without_torch_dtype_deprecation)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", r"`torch\.jit\.script` is deprecated", DeprecationWarning)
-            export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
+        export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
     finally:
         config_logger.removeFilter(_without_torch_dtype_deprecation)
     for source in sorted(release_dir.iterdir()):

@@ -77,7 +77,8 @@ def test_the_verdict_applies_the_documented_gates():
     assert parity.judge(stats(min_top1, max_mean_tv), [])["verdict"] == "pass"  # both gates are inclusive
     assert parity.judge(stats(1.0, 0.0), [])["verdict"] == "pass"
     below = parity.judge(stats(min_top1 - 0.001, 0.0), [])
-    assert below["verdict"] == "fail" and len(below["failed_gates"]) == 1 and "top1_agreement" in below["failed_gates"][0]
+    assert below["verdict"] == "fail" and len(below["failed_gates"]) == 1
+    assert "top1_agreement" in below["failed_gates"][0]
     above = parity.judge(stats(1.0, max_mean_tv + 0.0001), [])
     assert above["verdict"] == "fail" and len(above["failed_gates"]) == 1 and "mean_tv" in above["failed_gates"][0]
     assert len(parity.judge(stats(0.5, 0.5), [])["failed_gates"]) == 2
@@ -126,7 +127,8 @@ def test_parity_fails_with_status_1_when_a_gate_fails(tiny_release, tmp_path):
     assert "verdict: FAIL" in completed.stdout
     # Progress: each step on stderr, with its counts.
     assert "2 held-out records" in completed.stderr
-    assert f"reference: loading {reference}" in completed.stderr and f"candidate: loading {candidate}" in completed.stderr
+    assert f"reference: loading {reference}" in completed.stderr
+    assert f"candidate: loading {candidate}" in completed.stderr
     assert "scoring the reference" in completed.stderr and "2/2" in completed.stderr
 
 
