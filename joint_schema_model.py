@@ -23,6 +23,7 @@ import json
 import math
 import re
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,8 +305,12 @@ def _encode_media(processor, record: dict) -> tuple[list[int], dict | None]:
     if videos:
         options = {
             "images_kwargs": {"size": IMAGE_SIZE},
-            "videos_kwargs": {"fps": VIDEO_FPS, "do_sample_frames": False, "use_audio_in_video": use_audio_in_video},
+            "videos_kwargs": {"fps": VIDEO_FPS, "do_sample_frames": False},
         }
+        if _takes_load_audio_from_video(processor):  # transformers >= 5.2x, where use_audio_in_video is deprecated
+            options["load_audio_from_video"] = use_audio_in_video
+        else:
+            options["videos_kwargs"]["use_audio_in_video"] = use_audio_in_video
     else:
         options = {"size": IMAGE_SIZE}
     options.update(record.get("media_kwargs") or {})
@@ -313,18 +318,27 @@ def _encode_media(processor, record: dict) -> tuple[list[int], dict | None]:
         # transformers >= 5.2x must be told which audio slot belongs to which video; older ones take the order above.
         options["audio_from_video_indices"] = audio_sources
 
-    encoded = processor(
-        text=text,
-        images=images or None,
-        audio=audio or None,
-        videos=videos or None,
-        add_special_tokens=False,
-        return_tensors="pt",
-        **options,
-    )
+    with warnings.catch_warnings():
+        # transformers' Qwen3-Omni processor passes torch scalars to np.arange; numpy 2 warns that torch's __array__
+        # takes no copy keyword, then converts them correctly all the same.
+        warnings.filterwarnings("ignore", r"__array__ implementation doesn't accept a copy keyword", DeprecationWarning)
+        encoded = processor(
+            text=text,
+            images=images or None,
+            audio=audio or None,
+            videos=videos or None,
+            add_special_tokens=False,
+            return_tensors="pt",
+            **options,
+        )
     media = {key: encoded[key] for key in MEDIA_BATCH_KEYS + AUDIO_BATCH_KEYS if key in encoded}
     media["use_audio_in_video"] = use_audio_in_video
     return encoded["input_ids"][0].tolist(), media
+
+
+def _takes_load_audio_from_video(processor) -> bool:
+    """Whether the processor's kwargs (a TypedDict, its bases' keys included) name load_audio_from_video."""
+    return "load_audio_from_video" in getattr(getattr(processor, "valid_processor_kwargs", None), "__annotations__", {})
 
 
 def _takes_audio_from_video_indices(processor) -> bool:

@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.11"
 # dependencies = [
-#   "torch>=2.9",
+#   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "triton",
 #   "safetensors",
@@ -20,9 +20,10 @@
 # ///
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
 
-Sections, top to bottom, in the order data flows: packed experts (the NVFP4 format, the activation replay, the Triton
-packed-expert kernels, the experts module), checkpoint loading, the engine (the text decoder in CUDA graphs),
-decisions (requests), HTTP, command line.
+Sections, top to bottom, in the order data flows: the command line's flags (parsed before the heavy imports, so that
+--help answers at once), packed experts (the NVFP4 format, the activation replay, the Triton packed-expert kernels, the
+experts module), checkpoint loading, the engine (the text decoder in CUDA graphs), decisions (requests), HTTP, running
+the command line.
 Dimension letters in shape comments: T tokens, E experts, H hidden, I expert width, K experts per token (top-k),
 S (token, expert) pairs, P padded slots, R/N/C the rows, output columns and reduced columns of a kernel tile.
 """
@@ -57,11 +58,113 @@ import time
 import traceback
 import types
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
+
+
+# ==== command line: the flags =========================================================================================
+# Defined and parsed before the heavy imports below (torch, transformers and triton take ~7 s), so that --help and a
+# mistyped flag answer at once; running the command line is the last section.
+
+DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
+DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
+EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
+DEFAULT_MAX_BATCH_TOKENS = 8192  # tokens per forward: the largest CUDA-graph bucket (DECODER_BUCKETS)
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="serve_clef.py",
+        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
+        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
+        f"Default: {DEFAULT_MODEL}.",
+    )
+    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
+    parser.add_argument("--device", help="Torch device to run on. Default: cuda when available, else cpu.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    parser.add_argument("--demo", action="store_true",
+                        help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
+    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
+    parser.add_argument(
+        "--simulate-fp4-activations",
+        action="store_true",
+        help="W4A4 (NVFP4) checkpoints only: round every quantized layer's input to NVFP4 as it was calibrated, "
+        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
+    )
+    parser.add_argument(
+        "--no-packed-nvfp4",
+        action="store_true",
+        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
+    )
+    parser.add_argument(
+        "--repair-nan-scales",
+        action="store_true",
+        help="Load NaN block-scale bytes (0x7F/0xFF, written by ModelOpt before 0.45 where a block's scale overflowed) "
+        "as 448, the largest e4m3 value, and report how many blocks changed; without it such checkpoints are refused.",
+    )
+    parser.add_argument(
+        "--expert-kernels",
+        choices=EXPERT_KERNELS,
+        default="auto",
+        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
+        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
+        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="Most tokens the server scores in one forward, over the records of concurrent requests (a longer "
+        f"request runs alone). Default: {DEFAULT_MAX_BATCH_TOKENS}.",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"Most requests waiting or being scored; more get 503 with Retry-After. Default: {DEFAULT_MAX_QUEUE}.",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="Seconds a request may wait to be scored before it gets 503 with Retry-After. "
+        f"Default: {DEFAULT_REQUEST_TIMEOUT_S:g}.",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVE_CLEF_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # exits here on --help or a bad flag; main() parses again once everything below is defined
 
 import av
 import huggingface_hub
@@ -82,6 +185,10 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers.integrations.moe import grouped_mm_experts_forward
+
+# torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
+# torch.jit.script_method: torch's own deprecation, nothing a user of serve_clef can act on.
+warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 
 # ==== packed experts and their kernels ================================================================================
@@ -710,11 +817,8 @@ class PackedNVFP4Experts(torch.nn.Module):
 
 # ==== checkpoint loading ==============================================================================================
 
-DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
-DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
 SIBLING_FILES = "joint_schema_model.py and synthetic_release.py, beside serve_clef.py in the serve_clef repository"
 SYNTHETIC_MODELS = ("synthetic", "synthetic:full")
-EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
 
 
 class CheckpointError(ValueError):
@@ -798,6 +902,7 @@ class LoadedClef:
 
 
 SYNTHETIC_NOTICE = "synthetic checkpoint: random weights, every answer is meaningless (for testing the server only)"
+SYNTHETIC_MARKER = "synthetic_release.json"  # synthetic_release.py writes it into every release; exports copy it
 # Nothing is calibrated in a synthetic checkpoint, so every expert input gets the input_scale that max calibration
 # gives activations whose absolute max is 6: 6 / (6 * 448).
 SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
@@ -1005,8 +1110,13 @@ def load_processor(checkpoint_dir: Path, schema: types.ModuleType):
     """The release's processor, through the decision module's own `load_processor` where it has one (serve_clef's
     also builds one on machines without torchvision), else transformers' AutoProcessor."""
     if hasattr(schema, "load_processor"):
-        return schema.load_processor(checkpoint_dir)
-    return transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        processor = schema.load_processor(checkpoint_dir)
+    else:
+        processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+    # A state is tokenised whole, then cut to --max-length by encode_record, so the tokenizer's own limit (65,536 in
+    # the release's tokenizer_config.json) would only warn, misleadingly, of "indexing errors" on every long state.
+    processor.tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
+    return processor
 
 
 def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -1404,6 +1514,9 @@ def load_clef(
         checkpoint_dir, tensors = synthetic_checkpoint(model, device, progress)
     else:
         checkpoint_dir = resolve_checkpoint_dir(model, revision)
+        if (checkpoint_dir / SYNTHETIC_MARKER).exists():
+            notice = SYNTHETIC_NOTICE
+            progress(f"{checkpoint_dir}: {notice}")
     quantization = checkpoint_quantization(checkpoint_dir)
     kind = quantization.kind
     if simulate_fp4_activations and not quantization.experts_w4a4:
@@ -2318,9 +2431,6 @@ KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this l
 SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
-DEFAULT_MAX_BATCH_TOKENS = 8192  # the largest CUDA-graph bucket
-DEFAULT_MAX_QUEUE = 256
-DEFAULT_REQUEST_TIMEOUT_S = 60.0
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -2948,96 +3058,7 @@ def console(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-# ==== command line ====================================================================================================
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="serve_clef.py",
-        description="Serve Clef-Omni decisions (POST /v1/systemone) from a BF16 release or a ModelOpt NVFP4 export.",
-    )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="Hugging Face hub id or local model directory; 'synthetic' serves a tiny random NVFP4 checkpoint built "
-        "offline, 'synthetic:full' a full-size one streamed into GPU memory (both give meaningless answers). "
-        f"Default: {DEFAULT_MODEL}.",
-    )
-    parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="Torch device to run on. Default: cuda when available, else cpu.",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
-    parser.add_argument("--demo", action="store_true",
-                        help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
-    parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
-    parser.add_argument(
-        "--simulate-fp4-activations",
-        action="store_true",
-        help="W4A4 (NVFP4) checkpoints only: round every quantized layer's input to NVFP4 as it was calibrated, "
-        "reproducing Blackwell W4A4 numerics on any device (without it, experts run W4A16: FP4 weights, BF16 inputs).",
-    )
-    parser.add_argument(
-        "--no-packed-nvfp4",
-        action="store_true",
-        help="Unpack all NVFP4 experts to BF16 at load and run stock transformers experts (~4x the expert memory).",
-    )
-    parser.add_argument(
-        "--repair-nan-scales",
-        action="store_true",
-        help="Load NaN block-scale bytes (0x7F/0xFF, written by ModelOpt before 0.45 where a block's scale overflowed) "
-        "as 448, the largest e4m3 value, and report how many blocks changed; without it such checkpoints are refused.",
-    )
-    parser.add_argument(
-        "--expert-kernels",
-        choices=EXPERT_KERNELS,
-        default="auto",
-        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
-        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
-        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        default=DEFAULT_MAX_LENGTH,
-        help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
-    )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=positive_int,
-        default=DEFAULT_MAX_BATCH_TOKENS,
-        help="Most tokens the server scores in one forward, over the records of concurrent requests (a longer "
-        f"request runs alone). Default: {DEFAULT_MAX_BATCH_TOKENS}.",
-    )
-    parser.add_argument(
-        "--max-queue",
-        type=positive_int,
-        default=DEFAULT_MAX_QUEUE,
-        help=f"Most requests waiting or being scored; more get 503 with Retry-After. Default: {DEFAULT_MAX_QUEUE}.",
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=DEFAULT_REQUEST_TIMEOUT_S,
-        help="Seconds a request may wait to be scored before it gets 503 with Retry-After. "
-        f"Default: {DEFAULT_REQUEST_TIMEOUT_S:g}.",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("SERVE_CLEF_API_KEY"),
-        help="Require 'Authorization: Bearer KEY' on API requests. Default: $SERVE_CLEF_API_KEY, else no auth.",
-    )
-    return parser.parse_args(argv)
-
+# ==== command line: running ===========================================================================================
 
 DEMO_REQUEST = {
     "model": SERVED_NAME,

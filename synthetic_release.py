@@ -712,6 +712,9 @@ def write_release(out_dir, size: str = "tiny", seed: int = 0, weights: bool = Tr
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "README.md").write_text(README.format(size=size, seed=seed))
     (out / "LICENSE").write_text(LICENSE)
+    # serve_clef (SYNTHETIC_MARKER) and calib/parity.py read it to say that the answers of this release mean nothing.
+    marker = {"size": size, "seed": seed, "weights": "random"}
+    (out / "synthetic_release.json").write_text(json.dumps(marker) + "\n")
     _write_head(out, SIZES[size]["head"], seed)
     if weights:
         _write_weights(out, config, seed, SIZES[size]["shard_bytes"])

@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.11"
 # dependencies = [
-#   "torch>=2.9",
+#   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "safetensors",
 #   "tokenizers",
@@ -12,6 +12,7 @@
 #   "fastapi",
 #   "uvicorn",
 #   "requests",
+#   "tqdm",
 # ]
 # ///
 """Parity of two Clef-Omni checkpoints on the held-out records (docs/nvfp4-format.md §6).
@@ -26,6 +27,10 @@ milliseconds. When the reference is BF16 the report also holds its noise floor: 
 experts kernel (eager against grouped_mm), so a candidate's TV can be read against what kernel order alone moves.
 Either side may instead be the base URL of a running serve_clef: its answers give the probabilities, rounded to 1e-4
 as the API returns them (records go over the wire with media as PNG, WAV and MPEG-4 data URLs).
+
+The verdict applies the gates of docs/nvfp4-format.md §6 (top1_agreement >= 0.98, mean_tv <= 0.03) to the candidate:
+"pass", or "fail" with exit status 1. When either side is synthetic (random weights, written by synthetic_release.py)
+the numbers say nothing about quantization, and the verdict is "not judged".
 """
 
 import argparse
@@ -43,14 +48,30 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: find serve_clef, joint_sc
 
 from calib.records import evaluation_records, to_request
 
+# The gates of docs/nvfp4-format.md §6, applied to the candidate against the reference.
+MIN_TOP1_AGREEMENT = 0.98
+MAX_MEAN_TV = 0.03
+
+
+def progress(line: str) -> None:
+    """Progress goes to stderr, so that stdout holds the summary alone."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def progress_bar(records: list[dict], what: str):
+    """The records, counted on stderr as they are scored."""
+    from tqdm import tqdm
+
+    return tqdm(records, desc=f"scoring {what}", unit="record", file=sys.stderr)
+
 
 @torch.inference_mode()
-def score_records(loaded, records: list[dict]) -> list[dict]:
+def score_records(loaded, records: list[dict], what: str = "records") -> list[dict]:
     """Per question of every record, in order: ids, option ids, fp32 probabilities, the record's tokens and ms."""
     schema, processor, model = loaded.schema, loaded.processor, loaded.model
     device = next(model.parameters()).device
     scored = []
-    for record in records:
+    for record in progress_bar(records, what):
         encoded = schema.encode_record(processor.tokenizer, record, processor=processor)
         batch = schema.collate_records([encoded], processor.tokenizer.pad_token_id, device)
         if device.type == "cuda":
@@ -78,7 +99,7 @@ def score_server(base_url: str, records: list[dict]) -> list[dict]:
     from joint_schema_model import question_options
 
     scored = []
-    for record in records:
+    for record in progress_bar(records, base_url):
         started = time.perf_counter()
         response = requests.post(f"{base_url.rstrip('/')}/v1/systemone", json=to_request(record), timeout=600)
         request_ms = (time.perf_counter() - started) * 1000
@@ -153,27 +174,43 @@ def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[s
     for experts in experts_modules:
         experts.config._experts_implementation = other
     try:
-        return [current, other], score_records(loaded, records)
+        return [current, other], score_records(loaded, records, f"the noise floor ({other} experts)")
     finally:
         for experts in experts_modules:
             experts.config._experts_implementation = current
 
 
-def describe(loaded) -> dict:
-    return {"source": str(loaded.checkpoint_dir), "kind": loaded.kind}
+def judge(stats: dict, synthetic_sides: list[str]) -> dict:
+    """The verdict on a candidate's `compare` statistics against the gates of docs/nvfp4-format.md §6."""
+    failed = []
+    if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
+        failed.append(f"top1_agreement {stats['top1_agreement']:.3f} < {MIN_TOP1_AGREEMENT}")
+    if stats["mean_tv"] > MAX_MEAN_TV:
+        failed.append(f"mean_tv {stats['mean_tv']:.4f} > {MAX_MEAN_TV}")
+    if synthetic_sides:
+        verdict = "not judged"
+    else:
+        verdict = "fail" if failed else "pass"
+    return {"verdict": verdict, "gates": {"min_top1_agreement": MIN_TOP1_AGREEMENT, "max_mean_tv": MAX_MEAN_TV},
+            "failed_gates": failed, "synthetic": synthetic_sides}
 
 
 def parity_report(reference: dict, candidate: dict, reference_scores: list[dict], candidate_scores: list[dict],
                   noise_floor: tuple[list[str], list[dict]] | None = None) -> dict:
-    """The report (see the module doc); `reference` / `candidate` say what was scored ({"source", "kind"})."""
+    """The report (see the module doc); `reference` / `candidate` say what was scored ({"source", "kind",
+    "synthetic"})."""
     tokens = _per_record(reference_scores, "tokens")
+    candidate_vs_reference = compare(reference_scores, candidate_scores)
+    synthetic_sides = [side for side, description in (("reference", reference), ("candidate", candidate))
+                       if description["synthetic"]]
     report = {
         "reference": reference,
         "candidate": candidate,
         "records": len(tokens),
         "tokens": {"total": int(sum(tokens)), "per_record_mean": float(np.mean(tokens))},
         "forward_ms": {"reference": _forward_ms(reference_scores), "candidate": _forward_ms(candidate_scores)},
-        "candidate_vs_reference": compare(reference_scores, candidate_scores),
+        "candidate_vs_reference": candidate_vs_reference,
+        **judge(candidate_vs_reference, synthetic_sides),
         "noise_floor": None,
         "per_question": [
             {"record_id": ref["record_id"], "question_id": ref["question_id"], "option_ids": ref["option_ids"],
@@ -205,20 +242,36 @@ def print_summary(report: dict) -> None:
     for flip in report["candidate_vs_reference"]["flips"]:
         print(f"  flip {flip['record_id']} {flip['question_id']}: {flip['reference_top1']} -> "
               f"{flip['candidate_top1']} (reference margin {flip['reference_margin']:.3f}, TV {flip['tv']:.3f})")
+    gates = f"top1_agreement >= {MIN_TOP1_AGREEMENT}, mean_tv <= {MAX_MEAN_TV} (docs/nvfp4-format.md §6)"
+    if report["verdict"] == "not judged":
+        print(f"verdict: not judged: synthetic (random weights): {' and '.join(report['synthetic'])}; these numbers "
+              f"say nothing about quantization, only that both checkpoints load and score. Gates: {gates}")
+    elif report["verdict"] == "fail":
+        print(f"verdict: FAIL: {'; '.join(report['failed_gates'])}. Gates: {gates}")
+    else:
+        print(f"verdict: pass. Gates: {gates}")
 
 
-def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], with_noise_floor: bool):
+def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], with_noise_floor: bool, what: str):
     """(description, scores, noise floor or None) of a checkpoint loaded here, or of a server given by its URL."""
-    if checkpoint.startswith(("http://", "https://")):
-        return {"source": checkpoint, "kind": "server"}, score_server(checkpoint, records), None
     import serve_clef
 
-    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags))
-    scores = score_records(loaded, records)
+    if checkpoint.startswith(("http://", "https://")):
+        import requests
+
+        notice = requests.get(f"{checkpoint.rstrip('/')}/healthz", timeout=60).json().get("notice")
+        progress(f"{what}: the server at {checkpoint}")
+        description = {"source": checkpoint, "kind": "server", "synthetic": notice == serve_clef.SYNTHETIC_NOTICE}
+        return description, score_server(checkpoint, records), None
+    progress(f"{what}: loading {checkpoint}")
+    loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags),
+                                       progress=progress)
+    scores = score_records(loaded, records, f"the {what}")
     noise_floor = None
     if with_noise_floor and loaded.kind == "bf16":
         noise_floor = score_with_other_experts_kernel(loaded, records)
-    description = describe(loaded)
+    description = {"source": str(loaded.checkpoint_dir), "kind": loaded.kind,
+                   "synthetic": loaded.notice == serve_clef.SYNTHETIC_NOTICE}
     del loaded
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -238,10 +291,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     args = parser.parse_args(argv)
     records = evaluation_records(args.records)
+    progress(f"{len(records)} held-out records, {sum(len(r['questions']) for r in records)} questions")
     # One checkpoint in memory at a time: BF16 Clef-Omni alone takes ~64 GB.
-    reference_description, reference_scores, noise_floor = _score(args.reference, records, args.device, [], True)
+    reference_description, reference_scores, noise_floor = _score(args.reference, records, args.device, [], True,
+                                                                  "reference")
     candidate_flags = ["--simulate-fp4-activations"] if args.simulate_fp4_activations else []
-    candidate_description, candidate_scores, _ = _score(args.candidate, records, args.device, candidate_flags, False)
+    candidate_description, candidate_scores, _ = _score(args.candidate, records, args.device, candidate_flags, False,
+                                                        "candidate")
     report = parity_report(reference_description, candidate_description, reference_scores, candidate_scores,
                            noise_floor)
     print_summary(report)
@@ -252,4 +308,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["verdict"] == "fail" else 0)

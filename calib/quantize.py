@@ -1,7 +1,7 @@
 # /// script
 # requires-python = ">=3.11"
 # dependencies = [
-#   "torch>=2.9",
+#   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "accelerate",
 #   "nvidia-modelopt==0.47.*",
@@ -36,12 +36,14 @@ import contextlib
 import copy
 import hashlib
 import json
+import logging
 import math
 import re
 import shutil
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,6 +53,13 @@ if str(REPO_ROOT) not in sys.path:  # run as a script (`python calib/quantize.py
     sys.path.insert(0, str(REPO_ROOT))
 
 from calib.records import calibration_records
+
+# Importing ModelOpt 0.47 warns that any transformers newer than its own pin is "not tested" (this recipe is tested with
+# transformers 5.17 and 5.24, and the fix it suggests, nvidia-modelopt[hf], pins transformers < 5.15), and scripts
+# functions with the deprecated torch.jit.script and script_method (deprecations addressed to ModelOpt's authors).
+warnings.filterwarnings("ignore", r"transformers \S+ is not tested with current version of modelopt", UserWarning,
+                        r"modelopt\.")
+warnings.filterwarnings("ignore", r"`torch\.jit\.script(_method)?` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
 # audio tower, the talker or code2wav (docs/nvfp4-format.md §4.2). The joint head is never handed to ModelOpt at all.
@@ -206,13 +215,24 @@ def _thinker_forward(self, input_ids=None, **kwargs):
     return self.thinker(input_ids=input_ids, use_cache=False)
 
 
+def _without_torch_dtype_deprecation(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "`torch_dtype` is deprecated! Use `dtype` instead!"
+
+
 def export(backbone, clef, release_dir: Path, out_dir: Path) -> None:
     """ModelOpt's HF export in BF16, then the release's non-weight files copied beside it."""
     from modelopt.torch.export import export_hf_checkpoint
 
     backbone.thinker.lm_head = clef.output_embeddings  # put the real LM head back so it is exported
     backbone.forward = types.MethodType(_thinker_forward, backbone)
-    export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
+    # The exporter reads config.torch_dtype, and transformers answers with a deprecation addressed to ModelOpt's
+    # authors: that one message is dropped while it exports.
+    config_logger = logging.getLogger("transformers.configuration_utils")
+    config_logger.addFilter(_without_torch_dtype_deprecation)
+    try:
+        export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
+    finally:
+        config_logger.removeFilter(_without_torch_dtype_deprecation)
     for source in sorted(release_dir.iterdir()):
         if source.is_file() and not NOT_COPIED.match(source.name):
             shutil.copy2(source, out_dir / source.name)
