@@ -1789,6 +1789,7 @@ class PackedTextDecoder(torch.nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 static_hidden = self.run_padded(*static_inputs)
+            graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
             self.graphs[bucket] = (graph, *static_inputs, static_hidden)
         progress(f"text decoder captured in CUDA graphs for {len(self.buckets)} lengths up to {self.buckets[-1]} "
                  f"tokens in {time.perf_counter() - start:.1f} s")
