@@ -1,16 +1,18 @@
 """GPU check of serve_clef's packed NVFP4 experts at Clef-Omni size, on a CUDA machine (here: the H200).
 
 1. `serve_clef.unpack_nvfp4_compiled` (torch.compile) equals the eager `unpack_nvfp4` as numbers on one full-size
-   layer (128 experts, hidden 2048, width 768; bit patterns may differ in the sign of zero, E2M1 code 8), and its
-   time per layer (target: well under the 8.4 ms of the stock torch LUT unpack, near the ~0.4 ms bandwidth floor).
-2. `serve_clef.fake_quant_nvfp4_activations` equals ModelOpt's Triton W4A4 fake-quant kernel (`fp4_fake_quant_block`)
-   when nvidia-modelopt is installed (carry its wheel); skipped otherwise; eager and compiled (used on CUDA) replay
-   are both counted against it, and against each other at two token counts. ModelOpt's Triton kernel divides with
-   Triton's `/`, eager torch with IEEE division: values right at an E2M1 rounding boundary can land one step apart.
+   layer (128 experts, hidden 2048, width 768; bit patterns may differ only in the sign of zero, E2M1 code 8), and
+   its time per layer (target: well under the 8.4 ms of the stock torch LUT unpack, near the ~0.4 ms bandwidth floor).
+2. The compiled activation replay (`fake_quant_nvfp4_activations_compiled`, what CUDA runs) equals ModelOpt's Triton
+   W4A4 fake-quant kernel (`fp4_fake_quant_block`) in every value when nvidia-modelopt is installed (carry its wheel;
+   skipped otherwise). ModelOpt's kernel divides with Triton's `/`, eager torch with IEEE division, so the eager replay
+   (used on CPU) may differ from it, and the compiled replay from the eager one, but only by one E2M1 step, in under
+   1% of the values (values right at a rounding boundary): both counted so, the latter at two token counts and with
+   one input scale per row (an expert's own).
 3. Time of one packed layer forward on the unpack path (`PackedNVFP4Experts.forward_unpacked`) at 512 tokens, top-8;
    the Triton kernels are checked and timed by bench/check_expert_kernels.py.
 
-Usage: python bench/check_nvfp4_gpu.py   (exit status 1 when a comparison fails)
+Usage: python bench/check_nvfp4_gpu.py   (exit status 1 when any printed comparison fails; timings are not checked)
 """
 
 import sys
@@ -38,6 +40,32 @@ def cuda_ms(function, repeats: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def e2m1_positions(replayed: torch.Tensor, activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Signed index (-7..7) on the E2M1 grid of each replayed value [..., K], in units of its block's scale, the
+    block scales rebuilt from the activations by docs/nvfp4-format.md §2.3."""
+    blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
+    block_scales = (blocks.abs().amax(-1, keepdim=True) / (6.0 * input_scale)).clamp(max=448.0)
+    block_scales = block_scales.to(torch.float8_e4m3fn).float() * input_scale  # [..., K/16, 1]
+    block_scales = torch.where(block_scales >= 1e-5, block_scales, 1.0)
+    values = replayed.float().unflatten(-1, (-1, 16))
+    grid = torch.tensor(serve_clef.E2M1_MAGNITUDES, device=replayed.device)
+    index = ((values.abs() / block_scales)[..., None] - grid).abs().argmin(-1)  # [..., K/16, 16]
+    return (values.sign() * index).flatten(-2)
+
+
+def replays_agree(label: str, ours: torch.Tensor, theirs: torch.Tensor, activations: torch.Tensor,
+                  input_scale: torch.Tensor, exact: bool) -> bool:
+    """Print and judge one replay comparison: exact, or apart only by one E2M1 step in under 1% of the values."""
+    differ = int((ours != theirs).sum())
+    steps = int((e2m1_positions(ours, activations, input_scale)
+                 - e2m1_positions(theirs, activations, input_scale)).abs().max())
+    largest = (ours.float() - theirs.float()).abs().max().item()
+    agree = differ == 0 if exact else (steps <= 1 and differ < 0.01 * ours.numel())
+    print(f"{label}: {differ} of {ours.numel()} values differ, by at most {steps} E2M1 step(s) (largest difference "
+          f"{largest:.4g}; allowed: {'none' if exact else 'one step in under 1%'}): {'OK' if agree else 'FAILED'}")
+    return agree
 
 
 def main() -> int:
@@ -71,11 +99,13 @@ def main() -> int:
     eager = serve_clef.unpack_nvfp4(*packed)
     # As numbers (-0 == +0): what a matmul sees. Bit for bit, code 8 (E2M1 -0) may come out as +0 once compiled.
     same = torch.equal(compiled, eager)
-    failures += not same
     bits_differ = compiled.view(torch.int16) != eager.view(torch.int16)
     signed_zeros = bits_differ & (compiled == 0) & (eager == 0)
+    only_zero_signs = int(bits_differ.sum()) == int(signed_zeros.sum())
+    failures += not (same and only_zero_signs)
     print(f"compiled unpack == eager unpack as numbers: {same}; bit patterns differ in {int(bits_differ.sum())} of "
-          f"{compiled.numel()} values, {int(signed_zeros.sum())} of them only in the sign of zero")
+          f"{compiled.numel()} values, {int(signed_zeros.sum())} of them only in the sign of zero: "
+          f"{'OK' if same and only_zero_signs else 'FAILED'}")
     eager_ms = cuda_ms(lambda: (serve_clef.unpack_nvfp4(*packed), serve_clef.unpack_nvfp4(*packed_down)))
     compiled_ms = cuda_ms(
         lambda: (serve_clef.unpack_nvfp4_compiled(*packed), serve_clef.unpack_nvfp4_compiled(*packed_down))
@@ -96,20 +126,19 @@ def main() -> int:
         global_amax = torch.tensor(11.0, device=device)  # calibrated activation amax
         input_scale = global_amax.float() / (6.0 * 448.0)  # what the exporter writes, as the kernel derives it
         theirs = fp4_fake_quant_block(activations, global_amax)
-        for label, replay in (("eager", serve_clef.fake_quant_nvfp4_activations),
-                              ("compiled", serve_clef.fake_quant_nvfp4_activations_compiled)):
-            ours = replay(activations, input_scale)
-            differ = ours != theirs
-            largest = (ours.float() - theirs.float()).abs().max().item()
-            print(f"{label} activation replay vs ModelOpt fp4_fake_quant_block: {int(differ.sum())} of "
-                  f"{ours.numel()} values differ, largest difference {largest:.4g}")
+        for label, replay, exact in (("compiled", serve_clef.fake_quant_nvfp4_activations_compiled, True),
+                                     ("eager", serve_clef.fake_quant_nvfp4_activations, False)):
+            failures += not replays_agree(f"{label} activation replay vs ModelOpt fp4_fake_quant_block",
+                                          replay(activations, input_scale), theirs, activations, input_scale, exact)
     input_scale = torch.tensor(11.0 / (6 * 448), device=device)
     for rows in (512, 77):  # compiled with dynamic shapes: token counts vary per request
         x = activations[:rows]
-        compiled_replay = serve_clef.fake_quant_nvfp4_activations_compiled(x, input_scale)
-        eager_replay = serve_clef.fake_quant_nvfp4_activations(x, input_scale)
-        print(f"compiled activation replay vs eager, {rows} tokens: "
-              f"{int((compiled_replay != eager_replay).sum())} of {x.numel()} values differ")
+        per_row = torch.linspace(0.5, 2.0, rows, device=device)[:, None, None] * input_scale  # [S, 1, 1]
+        for label, scale in (("shared input scale", input_scale), ("an input scale per row", per_row)):
+            failures += not replays_agree(
+                f"compiled activation replay vs eager, {rows} tokens, {label}",
+                serve_clef.fake_quant_nvfp4_activations_compiled(x, scale),
+                serve_clef.fake_quant_nvfp4_activations(x, scale), x, scale, exact=False)
     eager_ms = cuda_ms(lambda: serve_clef.fake_quant_nvfp4_activations(activations, input_scale))
     compiled_ms = cuda_ms(lambda: serve_clef.fake_quant_nvfp4_activations_compiled(activations, input_scale))
     print(f"activation replay of [512, 2048]: eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms")

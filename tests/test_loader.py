@@ -3,7 +3,6 @@ W4A16), both tensor-name layouts, the synthetic model, a model directory's own j
 checkpoints that must fail naming the tensor.
 """
 
-import copy
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import transformers
 
 import joint_schema_model
 import serve_clef
+from calib import quantize
 
 RELEASE_FILES = (
     "joint_head.safetensors",
@@ -46,9 +46,9 @@ REQUEST = {
 
 
 def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
-    """Quantize the release's thinker experts with ModelOpt (NVFP4_EXPERTS_ONLY_CFG, max calibration) on CPU and
-    export it with export_hf_checkpoint, then copy the Clef files beside it, as the recipe of docs/nvfp4-format.md §4.1
-    does."""
+    """Quantize the release's thinker experts with ModelOpt on CPU with the project's recipe (calib/quantize.py's
+    quantization_config: NVFP4_EXPERTS_ONLY_CFG, max calibration), calibrated on random tokens, export it with
+    export_hf_checkpoint, then copy the Clef files beside it, as the recipe of docs/nvfp4-format.md §4.1 does."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
@@ -57,11 +57,7 @@ def modelopt_export(release: Path, out_dir: Path, weight_only: bool) -> Path:
     backbone = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         release, config=config, dtype=torch.bfloat16, experts_implementation="eager"
     )
-    quant_config = copy.deepcopy(mtq.NVFP4_EXPERTS_ONLY_CFG)
-    disabled = ["*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*"]
-    if weight_only:
-        disabled.append("*input_quantizer")
-    quant_config["quant_cfg"] += [{"quantizer_name": pattern, "enable": False} for pattern in disabled]
+    quant_config = quantize.quantization_config(weights_only=weight_only)
 
     def calibrate(model):
         generator = torch.Generator().manual_seed(0)
@@ -133,15 +129,22 @@ def test_quantizer_writes_the_bytes_modelopts_exporter_writes(tiny_release, nvfp
         assert torch.equal(exported[name].reshape(-1).view(torch.uint8), ours[name].reshape(-1).view(torch.uint8)), name
 
 
-def test_modelopt_export_loads_and_answers(nvfp4_export):
+def test_modelopt_export_loads_and_answers(nvfp4_export, tiny_release, tmp_path):
+    """The export answers exactly as a BF16 checkpoint of its weights dequantised by docs/nvfp4-format.md §2.1 as
+    written (test_nvfp4.reference_dequantize), and differently from the release it was quantized from."""
+    from test_checkpoint_layouts import checkpoint_files, dequantised, write_checkpoint  # it imports this module
+
     loaded = load(nvfp4_export)
     assert loaded.kind == "modelopt:NVFP4" and loaded.notice is None
     experts = [module for module in loaded.model.modules() if isinstance(module, serve_clef.PackedNVFP4Experts)]
     assert len(experts) == 2 and experts[0].gate_up_packed_codes.dtype == torch.uint8
-    result = loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)
-    assert list(result["answers"]) == ["done", "next", "mess"]
-    assert sum(result["answers"]["next"]["probabilities"].values()) == pytest.approx(1, abs=1e-3)
-    assert 0 <= result["answers"]["done"]["noul"] <= 1
+    reference = write_checkpoint(nvfp4_export, tmp_path / "bf16", dequantised(checkpoint_files(nvfp4_export)[0]))
+    assert load(reference).kind == "bf16"
+    served = raw_probabilities(loaded)
+    for got, expected in zip(served, raw_probabilities(load(reference)), strict=True):
+        assert torch.equal(got, expected)
+    release = raw_probabilities(load(tiny_release))
+    assert any(not torch.equal(a, b) for a, b in zip(served, release, strict=True))
 
 
 def to_internal_layout(tensors: dict) -> dict:

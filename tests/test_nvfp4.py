@@ -233,12 +233,47 @@ def test_simulated_fp4_activations_quantize_both_expert_inputs():
     assert (got - expected).abs().mean() < 0.02 * scale
 
 
-def test_compiled_unpack_equals_eager_unpack():
-    """The torch.compile'd unpack used on CUDA (inductor's C++ backend here) must not change a single bit."""
-    generator = torch.Generator().manual_seed(6)
-    packed_codes = torch.randint(0, 256, (2, 16, 32), generator=generator, dtype=torch.int16).to(torch.uint8)
-    block_scales = e4m3_scale_bytes((2, 16, 4), generator)
-    global_scale = torch.tensor([3e-4, 0.7])
-    compiled = serve_clef.unpack_nvfp4_compiled(packed_codes, block_scales, global_scale)
-    expected = reference_dequantize(packed_codes, block_scales, global_scale)
-    assert torch.equal(compiled.view(torch.int16), expected.view(torch.int16))
+def test_compiled_unpack_equals_the_formula_on_the_layer_buffers():
+    """unpack_nvfp4_compiled, which PackedNVFP4Experts.unpacked runs on CUDA, called as it is there: on a layer's own
+    buffers (gate_up with a global scale per gate and up half, [E, 2]; down with one, [E]). Inductor's C++ backend
+    compiles it here (torch.compile works on CPU when a C++ compiler is present). Compared as numbers, which is what
+    the matmuls rely on: compiled on CUDA, E2M1 code 8 (-0) may come out +0 (bench/check_nvfp4_gpu.py counts it)."""
+    experts = random_packed_experts(tiny_text_config(), has_input_scales=False, seed=6)
+    experts.gate_up_global_scale[:, 1] *= 1.7  # up's own global scale
+    experts.gate_up_packed_codes[0, 0, :8] = torch.arange(8, dtype=torch.uint8) * 0x21  # every code in both nibbles
+    for name in ("gate_up", "down"):
+        packed = [getattr(experts, f"{name}_{field}") for field in ("packed_codes", "block_scales", "global_scale")]
+        compiled = serve_clef.unpack_nvfp4_compiled(*packed)
+        expected = reference_dequantize(*packed)
+        assert compiled.dtype == torch.bfloat16 and expected.abs().max() > 0
+        assert torch.equal(compiled, expected), name  # as numbers: -0 == +0, NaN never equal
+
+
+def test_compiled_activation_replay_equals_the_formula_bit_for_bit():
+    """fake_quant_nvfp4_activations_compiled, which the unpack path runs on CUDA (serve_clef.fake_quant), on the inputs
+    it gets there: BF16 [T, H] with the shared 0-d input scale, and [S, H] with one scale per row ([S, 1, 1], an
+    expert's own), at two token counts (compiled with dynamic shapes). On CPU inductor divides as IEEE does, so the
+    compiled replay must equal §2.3's formula to the bit, E2M1 boundaries included. On CUDA the division is Triton's,
+    and what production relies on there is equality with ModelOpt's own kernel: bench/check_nvfp4_gpu.py counts that."""
+    generator = torch.Generator().manual_seed(7)
+    for rows in (24, 5):
+        x = (torch.randn(rows, 64, generator=generator) * torch.logspace(-2, 1, rows)[:, None]).to(torch.bfloat16)
+        shared = torch.tensor(11.0 / (6 * 448))
+        compiled = serve_clef.fake_quant_nvfp4_activations_compiled(x, shared)
+        assert compiled.dtype == torch.bfloat16
+        expected = reference_fake_quant(x, float(shared)).bfloat16()
+        assert torch.equal(compiled.view(torch.int16), expected.view(torch.int16))
+        per_row = torch.rand(rows, generator=generator) * 0.01 + 1e-3  # [S]
+        compiled = serve_clef.fake_quant_nvfp4_activations_compiled(x, per_row[:, None, None])
+        expected = torch.cat([reference_fake_quant(x[row:row + 1], float(per_row[row])) for row in range(rows)])
+        assert torch.equal(compiled.view(torch.int16), expected.bfloat16().view(torch.int16))
+    # the E2M1 rounding boundaries, exactly on, just below and just above (as in the eager test above)
+    input_scale, block_scale = 2.0**-4, 2.0**-2
+    boundaries = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) * block_scale
+    blocks = torch.zeros(6, 16)
+    blocks[:, 0] = 6 * block_scale  # each block's amax
+    for row, values in enumerate((boundaries, torch.nextafter(boundaries, torch.tensor(0.0)),
+                                  torch.nextafter(boundaries, torch.tensor(torch.inf)))):
+        blocks[2 * row, 1:8], blocks[2 * row + 1, 1:8] = values, -values
+    compiled = serve_clef.fake_quant_nvfp4_activations_compiled(blocks, torch.tensor(input_scale))
+    assert torch.equal(compiled.view(torch.int32), reference_fake_quant(blocks, input_scale).view(torch.int32))
