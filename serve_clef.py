@@ -1697,8 +1697,11 @@ class PackedTextDecoder(torch.nn.Module):
         decoder.config._attn_implementation = PACKED_ATTENTION
         self.buckets = buckets
         self.position_rows = None  # 3 or 4 rows of rotary positions, as the thinker of this transformers builds them
-        # bucket -> (CUDAGraph, inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], hidden [1, L, H])
-        self.graphs = {}
+        self.graphs = {}  # bucket -> its CUDAGraph, reading and writing views of the static buffers
+        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], hidden [1, L, H] at the largest bucket,
+        # shared by every bucket (as views of their first L tokens): the graphs never run at the same time, and 40
+        # buckets' own copies would hold ~0.75 GiB at full size
+        self.static_buffers = None
 
     def __getattr__(self, name: str):
         try:
@@ -1739,17 +1742,14 @@ class PackedTextDecoder(torch.nn.Module):
                 deepstack_visual_embeds=deepstack_visual_embeds, cu_seq_lens_q=cu_seq_lens, max_length_q=total,
             ).last_hidden_state[0]  # [T, H]
         else:
-            if bucket in self.graphs:
-                graph, static_embeds, static_positions, static_cu_seq_lens, static_hidden = self.graphs[bucket]
-            else:
-                static_embeds, static_positions, static_cu_seq_lens = self.static_inputs(bucket, inputs_embeds)
+            static_embeds, static_positions, static_cu_seq_lens, static_hidden = self.static_views(bucket, inputs_embeds)
             static_embeds[0, :total].copy_(packed_embeds)
             static_embeds[0, total:].zero_()
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
             static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
             if bucket in self.graphs:
-                graph.replay()
+                self.graphs[bucket].replay()
             else:
                 static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens)
             packed_hidden = static_hidden[0, :total]  # [T, H]
@@ -1757,12 +1757,19 @@ class PackedTextDecoder(torch.nn.Module):
         hidden_states[real] = packed_hidden
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
-    def static_inputs(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs_embeds = torch.zeros(1, bucket, like.shape[-1], dtype=like.dtype, device=like.device)  # [1, L, H]
-        position_ids = torch.zeros(self.position_rows, 1, bucket, dtype=torch.long, device=like.device)  # [P, 1, L]
-        cu_seq_lens = torch.full((MAX_RECORDS_PER_FORWARD + 2,), bucket, dtype=torch.int32, device=like.device)
-        cu_seq_lens[0] = 0  # one record of padding until a batch's boundaries are copied in
-        return inputs_embeds, position_ids, cu_seq_lens
+    def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens, and the
+        hidden states [1, L, H] a graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
+        if self.static_buffers is None:
+            longest = self.buckets[-1]
+            self.static_buffers = (
+                torch.zeros(1, longest, like.shape[-1], dtype=like.dtype, device=like.device),  # [1, Lmax, H]
+                torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=like.device),  # [P, 1, Lmax]
+                torch.zeros(MAX_RECORDS_PER_FORWARD + 2, dtype=torch.int32, device=like.device),  # [R + 2]
+                torch.zeros(1, longest, like.shape[-1], dtype=like.dtype, device=like.device),  # [1, Lmax, H]
+            )
+        inputs_embeds, position_ids, cu_seq_lens, hidden = self.static_buffers
+        return inputs_embeds[:, :bucket], position_ids[..., :bucket], cu_seq_lens, hidden[:, :bucket]
 
     def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor):
         """The decoder on a bucket's packed inputs; the longest record is taken to be the bucket (flash attention
@@ -1780,7 +1787,8 @@ class PackedTextDecoder(torch.nn.Module):
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):
-            static_inputs = self.static_inputs(bucket, like)
+            *static_inputs, static_hidden = self.static_views(bucket, like)
+            static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
             side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side_stream):  # a first run outside the graph sets up kernels and workspaces
@@ -1788,9 +1796,10 @@ class PackedTextDecoder(torch.nn.Module):
             torch.cuda.current_stream().wait_stream(side_stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                static_hidden = self.run_padded(*static_inputs)
+                # into the shared buffer, so that the pool's own output is free again for the next capture
+                static_hidden.copy_(self.run_padded(*static_inputs))
             graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
-            self.graphs[bucket] = (graph, *static_inputs, static_hidden)
+            self.graphs[bucket] = graph
         progress(f"text decoder captured in CUDA graphs for {len(self.buckets)} lengths up to {self.buckets[-1]} "
                  f"tokens in {time.perf_counter() - start:.1f} s")
 
