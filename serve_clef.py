@@ -2368,7 +2368,6 @@ class PreparedRecord:
     encoded: Any  # the decision module's EncodedRecord
     state_tokens_dropped: int  # state tokens cut to fit max_length (truncate: true)
     timings: dict[str, float]  # seconds per stage: decode, encode (forward and answer added later)
-    started: float  # time.perf_counter() when preparing began
 
     @property
     def tokens(self) -> int:
@@ -2386,7 +2385,7 @@ def prepare(loaded: LoadedClef, request: Any, max_length: int, timings: dict[str
     timings["decode"] = decoded - started
     encoded, state_tokens_dropped = encode(loaded, record, max_length, truncate)
     timings["encode"] = time.perf_counter() - decoded
-    return PreparedRecord(record, encoded, state_tokens_dropped, timings, started)
+    return PreparedRecord(record, encoded, state_tokens_dropped, timings)
 
 
 def answer(loaded: LoadedClef, prepared: PreparedRecord, logits: list[torch.Tensor] | None) -> dict:
@@ -2409,7 +2408,8 @@ def answer(loaded: LoadedClef, prepared: PreparedRecord, logits: list[torch.Tens
     usage = {"input_tokens": prepared.tokens, "output_tokens": 0}
     if prepared.state_tokens_dropped:  # the state was cut to fit the context (truncate: true, the default)
         usage["state_tokens_dropped"] = prepared.state_tokens_dropped
-    usage["latency_ms"] = round((time.perf_counter() - prepared.started) * 1000, 1)
+    working = sum(prepared.timings.get(stage, 0.0) for stage in ("decode", "encode", "forward", "answer"))
+    usage["latency_ms"] = round(working * 1000, 1)
     return {"model": prepared.record["model"], "answers": answers, "usage": usage}
 
 
