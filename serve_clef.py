@@ -2943,6 +2943,9 @@ class ObserveDecisions:
 
         try:
             await self.app(scope, receive, send_with_request_id)
+        except asyncio.CancelledError:  # the connection went away (or the server's shutdown drain ended): no response
+            status = 499
+            raise
         finally:
             seconds = time.perf_counter() - started
             self.metrics.requests.labels(status=str(status)).inc()
