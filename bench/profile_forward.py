@@ -1,0 +1,109 @@
+"""Where the time of one engine forward goes on the GPU machine (`synthetic:full`), stage by stage.
+
+For one ~516-token record and for 16 records of ~500 tokens in one forward, `score_records` is timed as a whole and
+split into its stages, each synchronised: collating the batch, the thinker around its text decoder (embedding, rotary
+indices, merging), the text decoder (a CUDA graph replay), and the joint head. torch.profiler then gives the GPU's
+busy time, the kernels launched and the host's busiest operators.
+
+Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
+"""
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import serve_clef  # noqa: E402
+from bench_serve import text_request  # noqa: E402
+
+HOST_OPERATORS_REPORTED = 15
+KERNELS_REPORTED = 15
+
+
+def synchronised_timer(function, stage: str, seconds: dict):
+    """`function`, with its wall time (the device synchronised before and after) added to seconds[stage]."""
+    def timed(*args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        torch.cuda.synchronize()
+        seconds[stage] += time.perf_counter() - start
+        return result
+    return timed
+
+
+def stage_milliseconds(loaded, encoded_records: list, repeats: int = 5) -> dict:
+    """Median-free mean over `repeats` forwards of each stage's synchronised wall time, in ms."""
+    seconds = defaultdict(float)
+    schema, thinker, head = loaded.schema, loaded.model.thinker, loaded.model.head
+    originals = (schema.collate_records, thinker.forward, head.forward, serve_clef.PackedTextDecoder.forward)
+    schema.collate_records = synchronised_timer(originals[0], "collate", seconds)
+    thinker.forward = synchronised_timer(originals[1], "thinker (with its decoder)", seconds)
+    head.forward = synchronised_timer(originals[2], "joint head", seconds)
+    serve_clef.PackedTextDecoder.forward = synchronised_timer(originals[3], "text decoder", seconds)
+    try:
+        for _ in range(repeats):
+            synchronised_timer(serve_clef.score_records, "score_records", seconds)(loaded, encoded_records)
+    finally:
+        schema.collate_records, thinker.forward, head.forward = originals[:3]
+        del thinker.forward, head.forward  # back to the class's methods
+        serve_clef.PackedTextDecoder.forward = originals[3]
+    stages = {stage: round(total / repeats * 1000, 2) for stage, total in seconds.items()}
+    stages["thinker around its decoder"] = round(stages.pop("thinker (with its decoder)") - stages["text decoder"], 2)
+    return stages
+
+
+def profiled(run) -> dict:
+    run()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        run()
+        torch.cuda.synchronize()
+    events = profile.key_averages()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total),
+                     key=lambda e: -e.self_device_time_total)
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: -e.self_cpu_time_total)
+    return {
+        "gpu_busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1000, 2),
+        "kernel_launches": sum(e.count for e in kernels),
+        "top_kernels": [(e.key[:70], round(e.self_device_time_total / 1000, 2), e.count)
+                        for e in kernels[:KERNELS_REPORTED]],
+        "top_host_operators": [(e.key[:70], round(e.self_cpu_time_total / 1000, 2), e.count)
+                               for e in host[:HOST_OPERATORS_REPORTED]],
+    }
+
+
+def main() -> int:
+    args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
+    loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
+    tokenizer = loaded.processor.tokenizer
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    single = [serve_clef.prepare(loaded, text_request(tokenizer, 516, 4242), args.max_length).encoded]
+    sixteen = [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), args.max_length).encoded
+               for i in range(16)]
+    for name, records in (("1 record", single), ("16 records", sixteen)):
+        tokens = sum(len(record.input_ids) for record in records)
+        stages = stage_milliseconds(loaded, records)
+        profile = profiled(lambda: serve_clef.score_records(loaded, records))
+        results[name] = {"tokens": tokens, "stages_ms": stages, **profile}
+        print(f"{name} ({tokens} tokens): stages {stages}")
+        print(f"    GPU busy {profile['gpu_busy_ms']} ms, {profile['kernel_launches']} kernel launches")
+        for kernel in profile["top_kernels"]:
+            print("    kernel", kernel)
+        for operator in profile["top_host_operators"]:
+            print("    host", operator)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "profile_forward.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
