@@ -722,6 +722,9 @@ class PackedNVFP4Experts(torch.nn.Module):
             intermediate = fake_quant(intermediate, down_input_scale)
         return intermediate
 
+    # The engine compiles the decoder layers around this module (PackedTextDecoder.compile_layers); these kernels are
+    # launched by hand with tiles chosen from the token count, so torch.compile leaves them out of its graphs.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]
         if self.kernels == "triton":
@@ -1614,6 +1617,8 @@ def load_clef(
             packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
             for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
                 packed_layer.compile_kernels()
+        progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
+        packed_decoder.compile_layers()
         packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
@@ -1637,7 +1642,8 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # record keeps its own rotary positions, and MoE routing is per token, so no record sees another or the padding.
 #
 # Launched op by op, a forward is bound by the host (5,559 kernel launches for ~42 ms of GPU work at 516 tokens on an
-# H200). So the packed decoder runs from CUDA graphs captured at load, one per bucket of packed lengths: the packed
+# H200). So the decoder's layers are compiled (torch.compile fuses their small elementwise kernels) and the packed
+# decoder runs from CUDA graphs captured at load, one per bucket of packed lengths: the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
 # more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
 # embedding merge stay eager; batches whose decoder input carries deepstack image features, and batches longer than
@@ -1777,6 +1783,17 @@ class PackedTextDecoder(torch.nn.Module):
         return self.decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
                             cu_seq_lens_q=cu_seq_lens, max_length_q=inputs_embeds.shape[1]).last_hidden_state
 
+    def compile_layers(self) -> None:
+        """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
+        bucket and the eager batches). Inductor fuses what transformers runs as many small kernels: the RMSNorms, the
+        q/k norms and rotary embedding, the router's softmax, top-k and renormalisation, the residual adds. The packed
+        experts' own kernels stay outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first
+        forward, which `capture_graphs` runs before capturing."""
+        for layer in self.decoder.layers:
+            # Inductor keeps fused intermediates in fp32 unless told to round them where eager BF16 rounds them:
+            # emulate eager, so the compiled layers compute what the checkpoint was calibrated and evaluated with
+            layer.compile(dynamic=True, options={"emulate_precision_casts": True})
+
     @torch.inference_mode()
     def capture_graphs(self, like: torch.Tensor, progress: Callable[[str], None]) -> None:
         """Capture one graph per bucket, largest first, all in one memory pool (they never run at the same time).
@@ -1800,23 +1817,28 @@ class PackedTextDecoder(torch.nn.Module):
                 static_hidden.copy_(self.run_padded(*static_inputs))
             graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
             self.graphs[bucket] = graph
-        progress(f"text decoder captured in CUDA graphs for {len(self.buckets)} lengths up to {self.buckets[-1]} "
-                 f"tokens in {time.perf_counter() - start:.1f} s")
+        progress(f"text decoder compiled and captured in CUDA graphs for {len(self.buckets)} lengths up to "
+                 f"{self.buckets[-1]} tokens in {time.perf_counter() - start:.1f} s")
 
 
 class HostEmbedding(torch.nn.Module):
-    """Stands in for the text decoder's token embedding (nn.Embedding) with its table in pinned host memory. The
-    table is only looked up, never multiplied, so a forward copies to the device just the rows of its tokens (T x H,
+    """Stands in for the text decoder's token embedding (nn.Embedding) with its table in host memory. The table
+    is only looked up, never multiplied, so a forward copies to the device just the rows of its tokens (T x H,
     2 MiB at 512 tokens) and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free. Its lookups run before the graphed
     decoder, on the host, after one read of the token ids that the forward does anyway."""
 
     def __init__(self, embedding: torch.nn.Embedding):
         super().__init__()
         self.device = embedding.weight.device
-        self.weight = embedding.weight.detach().cpu().pin_memory()  # [V, H]; a plain attribute: .to() leaves it here
+        self.weight = embedding.weight.detach().cpu()  # [V, H]; a plain attribute: .to() leaves it here
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, L] -> [B, L, H]
-        return self.weight[input_ids.cpu()].to(self.device)
+        token_ids = input_ids.cpu().reshape(-1)  # [B * L]
+        # gathered into pinned memory, so the copy to the device is a DMA, not a staged pageable copy (5 ms of 8k
+        # tokens' forward on an H200); torch's pinned-memory cache keeps the block until that copy has run
+        rows = torch.empty(token_ids.numel(), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=True)
+        torch.index_select(self.weight, 0, token_ids, out=rows)  # [B * L, H]
+        return rows.to(self.device, non_blocking=True).view(*input_ids.shape, -1)
 
 
 def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:

@@ -157,6 +157,23 @@ def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
         assert largest_difference(response["answers"], reference["answers"]) <= ANSWER_NOISE
 
 
+def test_compiled_layers_answer_as_transformers_own_decoder(stock_loaded):
+    """On CUDA the engine compiles the decoder layers (torch.compile, any length) before capturing its graphs; here
+    Inductor compiles them for CPU, and a packed batch of two lengths still answers as transformers' own eager
+    decoder, with the packed experts run by their kernels outside the compiled graphs."""
+    compiled = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
+    decoder = next(m for m in compiled.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    decoder.compile_layers()
+    prepared = [serve_clef.prepare(compiled, request, 4096) for request in REQUESTS]
+    batch_logits = serve_clef.score_records(compiled, [record.encoded for record in prepared])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before  # the layers did run compiled
+    for request, record, logits in zip(REQUESTS, prepared, batch_logits):
+        reference = stock_loaded.schema.systemone(stock_loaded.model, stock_loaded.processor, request, 4096)
+        answers = serve_clef.answer(compiled, record, logits)["answers"]
+        assert largest_difference(answers, reference["answers"]) <= ANSWER_NOISE
+
+
 def test_decide_answers_as_the_decision_modules_own_systemone(loaded, png_bytes, wav_bytes, mp4_with_audio_bytes):
     """The server's walk (encode once, forward, answer) against the reference that does it all in one call, on the
     same model: the same forward, so the same answers."""
