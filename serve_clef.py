@@ -548,7 +548,7 @@ EXPERT_TILES = (
     (8, ExpertTiles(16, 64, 128, 4, 3)),
     (24, ExpertTiles(32, 128, 64, 4, 3)),
     (192, ExpertTiles(64, 64, 128, 4, 3)),
-    (None, ExpertTiles(128, 128, 64, 8, 3)),
+    (None, ExpertTiles(128, 64, 64, 4, 3)),
 )
 
 
