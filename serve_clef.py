@@ -1646,8 +1646,8 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # decoder runs from CUDA graphs captured at load, one per bucket of packed lengths: the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
 # more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
-# embedding merge stay eager; batches whose decoder input carries deepstack image features, and batches longer than
-# the largest bucket, run the packed decoder eagerly. Nothing in the graphed part reads a GPU value on the host.
+# embedding merge stay eager, and so does the packed decoder for batches longer than the largest bucket. Nothing in
+# the graphed part reads a GPU value on the host.
 
 # Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
 # ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
@@ -1691,23 +1691,35 @@ def packed_records_attention(
 transformers.AttentionInterface.register(PACKED_ATTENTION, packed_records_attention)
 
 
+def add_dense_deepstack_features(hidden_states: torch.Tensor, visual_pos_masks: None, dense_features: torch.Tensor):
+    """Stands in for the text decoder's `_deepstack_process`. After each of its first D layers the decoder adds the
+    vision tower's deepstack features to the image and video tokens' hidden states through a boolean mask, a shape
+    that changes with every batch. PackedTextDecoder hands it one [1, L, H] tensor per layer instead, zero off the
+    visual tokens, added to every token: the same shapes for every batch, so images and videos run in the graphs,
+    and x + 0 is x exactly."""
+    return hidden_states + dense_features
+
+
 class PackedTextDecoder(torch.nn.Module):
     """Stands in for the thinker's text decoder (transformers' Qwen3OmniMoeThinkerTextModel), with its forward
     signature: takes the thinker's right-padded batch [B, L], runs the real tokens packed (padded to the next bucket,
     from the bucket's CUDA graph once `capture_graphs` has run, else eagerly on the padded inputs, which is how CPU
     tests check the padding) and hands back the batch [B, L, H] with zeros in its padding."""
 
-    def __init__(self, decoder: torch.nn.Module, buckets: tuple[int, ...] = DECODER_BUCKETS):
+    def __init__(self, decoder: torch.nn.Module, deepstack_layers: int, buckets: tuple[int, ...] = DECODER_BUCKETS):
         super().__init__()
         self.decoder = decoder
         decoder.config._attn_implementation = PACKED_ATTENTION
+        decoder._deepstack_process = add_dense_deepstack_features
+        self.deepstack_layers = deepstack_layers  # D
         self.buckets = buckets
         self.position_rows = None  # 3 or 4 rows of rotary positions, as the thinker of this transformers builds them
         self.graphs = {}  # bucket -> its CUDAGraph, reading and writing views of the static buffers
-        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], hidden [1, L, H] at the largest bucket,
-        # shared by every bucket (as views of their first L tokens): the graphs never run at the same time, and 40
-        # buckets' own copies would hold ~0.75 GiB at full size
+        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], deepstack features [D, 1, L, H],
+        # hidden [1, L, H] at the largest bucket, shared by every bucket (as views of their first L tokens): the graphs
+        # never run at the same time, and 40 buckets' own copies would hold ~1 GiB at full size
         self.static_buffers = None
+        self.deepstack_written = False  # whether the static deepstack features hold a batch's (else all zeros)
 
     def __getattr__(self, name: str):
         try:
@@ -1734,54 +1746,69 @@ class PackedTextDecoder(torch.nn.Module):
             raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
         packed_embeds = inputs_embeds[real]  # [T, H], record after record
         packed_positions = position_ids[:, real]  # [P, T]
+        # [D, V, H]: the features of the V visual tokens, in the packed order (padding is never visual)
+        visual_features = None if deepstack_visual_embeds is None else torch.stack(deepstack_visual_embeds)
+        packed_visual = None if visual_features is None else visual_pos_masks[real]  # [T]
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
-        padded = bucket is not None and deepstack_visual_embeds is None  # else eager, unpadded
         # boundaries: the records, then the padding as one more record, then empty records up to the graphs' count
         boundaries = [0, *itertools.accumulate(record_lengths)]
-        boundaries += [bucket if padded else total] * (MAX_RECORDS_PER_FORWARD + 2 - len(boundaries))
-        if not padded:
+        boundaries += [bucket or total] * (MAX_RECORDS_PER_FORWARD + 2 - len(boundaries))
+        if bucket is None:  # longer than the largest graph: eagerly, unpadded
             cu_seq_lens = torch.tensor(boundaries, dtype=torch.int32, device=inputs_embeds.device)  # [R + 2]
-            packed_hidden = self.decoder(
-                inputs_embeds=packed_embeds[None], position_ids=packed_positions[:, None], use_cache=False,
-                visual_pos_masks=None if visual_pos_masks is None else visual_pos_masks[real][None],
-                deepstack_visual_embeds=deepstack_visual_embeds, cu_seq_lens_q=cu_seq_lens, max_length_q=total,
-            ).last_hidden_state[0]  # [T, H]
+            deepstack = None
+            if visual_features is not None:
+                deepstack = inputs_embeds.new_zeros(self.deepstack_layers, 1, total, hidden)  # [D, 1, T, H]
+                deepstack[:, 0, packed_visual] = visual_features
+            packed_hidden = self.run_padded(packed_embeds[None], packed_positions[:, None], cu_seq_lens, deepstack)[0]
         else:
-            static_embeds, static_positions, static_cu_seq_lens, static_hidden = self.static_views(bucket, inputs_embeds)
+            static_embeds, static_positions, static_cu_seq_lens, static_deepstack, static_hidden = self.static_views(
+                bucket, inputs_embeds)
             static_embeds[0, :total].copy_(packed_embeds)
             static_embeds[0, total:].zero_()
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
             static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
+            if self.deepstack_written or visual_features is not None:
+                static_deepstack.zero_()
+            if visual_features is not None:
+                static_deepstack[:, 0, :total][:, packed_visual] = visual_features
+            self.deepstack_written = visual_features is not None
             if bucket in self.graphs:
                 self.graphs[bucket].replay()
             else:
-                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens)
+                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack)
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
         hidden_states[real] = packed_hidden
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens, and the
-        hidden states [1, L, H] a graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
+        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens, the
+        deepstack features [D, 1, L, H], and the hidden states [1, L, H] a graph writes. `like`: a device tensor of
+        the decoder's dtype and hidden size."""
         if self.static_buffers is None:
-            longest = self.buckets[-1]
+            longest, hidden, dtype, device = self.buckets[-1], like.shape[-1], like.dtype, like.device
             self.static_buffers = (
-                torch.zeros(1, longest, like.shape[-1], dtype=like.dtype, device=like.device),  # [1, Lmax, H]
-                torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=like.device),  # [P, 1, Lmax]
-                torch.zeros(MAX_RECORDS_PER_FORWARD + 2, dtype=torch.int32, device=like.device),  # [R + 2]
-                torch.zeros(1, longest, like.shape[-1], dtype=like.dtype, device=like.device),  # [1, Lmax, H]
+                torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
+                torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=device),  # [P, 1, Lmax]
+                torch.zeros(MAX_RECORDS_PER_FORWARD + 2, dtype=torch.int32, device=device),  # [R + 2]
+                torch.zeros(self.deepstack_layers, 1, longest, hidden, dtype=dtype, device=device),  # [D, 1, Lmax, H]
+                torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
             )
-        inputs_embeds, position_ids, cu_seq_lens, hidden = self.static_buffers
-        return inputs_embeds[:, :bucket], position_ids[..., :bucket], cu_seq_lens, hidden[:, :bucket]
+        inputs_embeds, position_ids, cu_seq_lens, deepstack, hidden = self.static_buffers
+        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], cu_seq_lens, deepstack[:, :, :bucket],
+                hidden[:, :bucket])
 
-    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor):
-        """The decoder on a bucket's packed inputs; the longest record is taken to be the bucket (flash attention
-        needs only an upper bound), so nothing depends on the batch but the tensors' contents."""
-        return self.decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
-                            cu_seq_lens_q=cu_seq_lens, max_length_q=inputs_embeds.shape[1]).last_hidden_state
+    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
+                   deepstack: torch.Tensor | None) -> torch.Tensor:
+        """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add); the
+        longest record is taken to be L (flash attention needs only an upper bound), so nothing depends on the batch
+        but the tensors' contents."""
+        return self.decoder(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seq_lens,
+            max_length_q=inputs_embeds.shape[1], deepstack_visual_embeds=None if deepstack is None else list(deepstack),
+        ).last_hidden_state
 
     def compile_layers(self) -> None:
         """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
@@ -1848,7 +1875,7 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
                 if type(module).__name__ == "Qwen3OmniMoeThinkerTextModel")
     parent_name, _, attribute = name.rpartition(".")
     parent = thinker.get_submodule(parent_name) if parent_name else thinker
-    packed = PackedTextDecoder(getattr(parent, attribute))
+    packed = PackedTextDecoder(getattr(parent, attribute), len(thinker.config.vision_config.deepstack_visual_indexes))
     setattr(parent, attribute, packed)
     return packed
 

@@ -153,9 +153,11 @@ def swap_text_decoder(loaded, graphed: bool) -> None:
             if isinstance(module, serve_clef.PackedTextDecoder) and not graphed:
                 loaded.packed_decoder = module
                 module.decoder.config._attn_implementation = "sdpa"
+                del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
                 setattr(parent, attribute, module.decoder)
             elif not isinstance(module, serve_clef.PackedTextDecoder) and graphed:
                 module.config._attn_implementation = serve_clef.PACKED_ATTENTION
+                module._deepstack_process = serve_clef.add_dense_deepstack_features
                 setattr(parent, attribute, loaded.packed_decoder)
             return
 

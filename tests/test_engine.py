@@ -61,6 +61,7 @@ def stock_loaded():
             parent_name, _, attribute = name.rpartition(".")
             setattr(loaded.model.get_submodule(parent_name), attribute, module.decoder)
             module.decoder.config._attn_implementation = "sdpa"
+            del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
     return loaded
 
 
@@ -139,9 +140,9 @@ def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
     padded_lengths = []
     run_padded = decoder.run_padded
 
-    def recording_run_padded(inputs_embeds, position_ids, cu_seq_lens):
+    def recording_run_padded(inputs_embeds, *other_inputs):
         padded_lengths.append(inputs_embeds.shape[1])
-        return run_padded(inputs_embeds, position_ids, cu_seq_lens)
+        return run_padded(inputs_embeds, *other_inputs)
 
     decoder.run_padded = recording_run_padded
     try:
