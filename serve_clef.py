@@ -1719,7 +1719,7 @@ class PackedTextDecoder(torch.nn.Module):
         # hidden [1, L, H] at the largest bucket, shared by every bucket (as views of their first L tokens): the graphs
         # never run at the same time, and 40 buckets' own copies would hold ~1 GiB at full size
         self.static_buffers = None
-        self.deepstack_written = False  # whether the static deepstack features hold a batch's (else all zeros)
+        self.deepstack_tokens = 0  # the static deepstack features are zero past this many tokens
 
     def __getattr__(self, name: str):
         try:
@@ -1769,11 +1769,12 @@ class PackedTextDecoder(torch.nn.Module):
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
             static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
-            if self.deepstack_written or visual_features is not None:
-                static_deepstack.zero_()
+            if self.deepstack_tokens:  # an earlier batch's features, perhaps past this bucket: back to zeros
+                self.static_buffers[3][:, :, :self.deepstack_tokens].zero_()
+            self.deepstack_tokens = 0
             if visual_features is not None:
                 static_deepstack[:, 0, :total][:, packed_visual] = visual_features
-            self.deepstack_written = visual_features is not None
+                self.deepstack_tokens = total
             if bucket in self.graphs:
                 self.graphs[bucket].replay()
             else:

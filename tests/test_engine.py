@@ -175,6 +175,22 @@ def test_compiled_layers_answer_as_transformers_own_decoder(stock_loaded):
         assert largest_difference(answers, reference["answers"]) <= ANSWER_NOISE
 
 
+def test_a_batch_with_an_image_leaves_no_features_behind(loaded, png_bytes):
+    """Deepstack features sit in a static buffer that every bucket shares: a text answered after a batch whose image
+    tokens lie past the next batch's smaller bucket answers bit for bit as it did before them."""
+    short, text = REQUESTS[0], {**REQUESTS[1], "state": REQUESTS[1]["state"]["ticket"] * 3}
+    before = serve_clef.decide(loaded, text, 4096)
+    batch = [serve_clef.prepare(loaded, request, 4096).encoded
+             for request in (short, {**short, "images": [data_url("image/png", png_bytes)]})]
+    image_token = loaded.model.thinker.config.image_token_id
+    image_positions = [len(batch[0].input_ids) + i for i, token in enumerate(batch[1].input_ids) if token == image_token]
+    serve_clef.score_records(loaded, batch)
+    short_bucket = min(b for b in serve_clef.DECODER_BUCKETS if b >= len(batch[0].input_ids))
+    serve_clef.decide(loaded, short, 4096)  # padded to short_bucket, below some of the image's tokens
+    assert short_bucket < image_positions[-1] < before["usage"]["input_tokens"]
+    assert serve_clef.decide(loaded, text, 4096)["answers"] == before["answers"]
+
+
 def test_decide_answers_as_the_decision_modules_own_systemone(loaded, png_bytes, wav_bytes, mp4_with_audio_bytes):
     """The server's walk (encode once, forward, answer) against the reference that does it all in one call, on the
     same model: the same forward, so the same answers."""
