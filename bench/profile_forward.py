@@ -1,8 +1,9 @@
 """Where the time of one engine forward goes on the GPU machine (`synthetic:full`), stage by stage.
 
-For one ~516-token record and for 16 records of ~500 tokens in one forward, `score_records` is timed as a whole and
-split into its stages, each synchronised: collating the batch, the thinker around its text decoder (embedding, rotary
-indices, merging), the text decoder (a CUDA graph replay), and the joint head. torch.profiler then gives the GPU's
+For one ~516-token record, for 16 records of ~500 tokens in one forward, and for one image, audio and video record
+each, `score_records` is timed as a whole and split into its stages, each synchronised: collating the batch, the
+thinker around its text decoder (embedding, the vision and audio towers, rotary indices, merging), the text decoder
+(a CUDA graph replay), and the joint head. torch.profiler then gives the GPU's
 busy time, the kernels launched and the host's busiest operators.
 
 Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_clef  # noqa: E402
-from bench_serve import text_request  # noqa: E402
+from bench_serve import media_requests, text_request  # noqa: E402
 
 HOST_OPERATORS_REPORTED = 15
 KERNELS_REPORTED = 15
@@ -89,7 +90,10 @@ def main() -> int:
     single = [serve_clef.prepare(loaded, text_request(tokenizer, 516, 4242), args.max_length).encoded]
     sixteen = [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), args.max_length).encoded
                for i in range(16)]
-    for name, records in (("1 record", single), ("16 records", sixteen)):
+    cases = {"1 record": single, "16 records": sixteen}
+    cases.update({name: [serve_clef.prepare(loaded, request, args.max_length).encoded]
+                  for name, request in media_requests().items()})
+    for name, records in cases.items():
         tokens = sum(len(record.input_ids) for record in records)
         stages = stage_milliseconds(loaded, records)
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
