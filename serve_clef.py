@@ -63,7 +63,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 
 # ==== command line: the flags =========================================================================================
@@ -181,10 +181,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, WithJsonSchema, create_model,
+                      model_validator)
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers.integrations.moe import grouped_mm_experts_forward
+from typing_extensions import TypeAliasType
 
 # torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
 # torch.jit.script_method: torch's own deprecation, nothing a user of serve_clef can act on.
@@ -2496,72 +2500,165 @@ CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omn
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
 
 
-_DESCRIPTION = {"description": "text or JSON shown to the model", "type": ["string", "object", "array", "null"]}
-_MEDIA_ITEM = {
-    "oneOf": [
-        {"type": "string", "description": "a data URL: data:<content type>;base64,<data>"},
-        {"type": "object", "required": ["content_type", "base64"],
-         "properties": {"content_type": {"type": "string"}, "base64": {"type": "string"}}},
-    ]
-}
-# The request of POST /v1/systemone as docs/api.md §2 describes it, for the OpenAPI document and /docs. The server
-# checks requests with validate_request, field by field, and not against this schema.
-SYSTEMONE_REQUEST_SCHEMA = {
-    "type": "object",
-    "required": ["model", "state", "questions"],
-    "properties": {
-        "model": {"type": "string", "minLength": 1, "description": "any name; echoed in the answer"},
-        "state": {"type": ["string", "object", "array"], "description": "what the questions are about"},
-        "questions": {
-            "type": "object", "minProperties": 1, "maxProperties": MAX_QUESTIONS,
-            "description": "question id -> question; the answers come in this order",
-            "additionalProperties": {
-                "type": "object", "required": ["type"],
-                "properties": {
-                    "type": {"enum": ["noul", "choice", "score"]},
-                    "instructions": _DESCRIPTION,
-                    "criteria": {
-                        "description": "noul: optional {\"true\": ..., \"false\": ...}; choice: option id -> "
-                        f"description, 2 to {MAX_CHOICE_OPTIONS}; score: {MIN_SCORE_LEVELS} to {MAX_SCORE_LEVELS} "
-                        "level descriptions, lowest first",
-                        "type": ["object", "array", "null"],
-                    },
-                },
-            },
-        },
-        **{field_name: {"type": ["array", "null"], "maxItems": max_items, "items": _MEDIA_ITEM,
-                        "description": f"inline media of type {', '.join(content_types)}"}
-           for field_name, (max_items, content_types, _) in MEDIA_LIMITS.items()},
-        "assets": {
-            "type": "object", "description": "the TypeSafe clients' images, by placeholder; they join `images`",
-            "additionalProperties": {
-                "type": "object",
-                "properties": {"type": {"const": "image"}, "format": {"enum": list(ASSET_FORMATS)},
-                               "data_base64": {"type": "string"},
-                               "part": {"type": "string", "description": "the image's part of a multipart body"}},
-            },
-        },
-        "truncate": {"type": "boolean", "default": True, "description": "false: refuse a state too long to fit"},
-        "id": {"description": "the record id handed to the decision module"},
-    },
-}
-SYSTEMONE_OPENAPI = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": SYSTEMONE_REQUEST_SCHEMA},
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object", "required": [MULTIPART_REQUEST_PART],
-                    "properties": {MULTIPART_REQUEST_PART: SYSTEMONE_REQUEST_SCHEMA},
-                    "additionalProperties": {"type": "string", "format": "binary",
-                                             "description": "an image, named by an entry of assets"},
-                },
-                "encoding": {MULTIPART_REQUEST_PART: {"contentType": "application/json"}},
-            },
-        },
-    },
-}
+# The request body as pydantic models (docs/api.md §2), the one description of it: the OpenAPI document and /docs are
+# generated from them. The endpoint still reads its body itself (compressed, multipart, with the 413 and 422 shapes of
+# §6) and checks it with validate_request, whose messages and locations are the contract; tests/test_openapi_schema.py
+# holds the two to accepting and refusing the same bodies. Strict, as validate_request is: a number is not a string,
+# and "true" is not a boolean.
+
+
+class _RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+Description = TypeAliasType("Description", Annotated[str | dict[str, Any] | list[Any] | None, Field(
+    description="Text the model reads, or JSON (an object or an array), which it reads as compact JSON."
+)])
+
+
+def _refuse_any_value(value: Any, info: ValidationInfo) -> Any:
+    raise ValueError(f"{info.field_name} must be left out")
+
+
+# A field a body must not hold, not even as null: any value fails, and the schema admits none. The default is left
+# out of the schema, where a null default would read as a value the field accepts.
+LeftOut = Annotated[Any, PlainValidator(_refuse_any_value), WithJsonSchema({"not": {}})]
+
+
+def _left_out(reason: str) -> Any:
+    return Field(None, description=reason, json_schema_extra=lambda schema: schema.pop("default"))
+
+
+class NoulCriteria(_RequestModel):
+    """What true and false stand for. A side left out keeps its built-in description; other keys are ignored."""
+
+    true: Description = None
+    false: Description = None
+
+
+class _Question(_RequestModel):
+    instructions: Description = Field(None, description="The question put to the model. Missing, null or \"\": the "
+                                      "model reads the question id instead.")
+
+
+class NoulQuestion(_Question):
+    """A yes-or-no question; its answer is the probability of true."""
+
+    type: Literal["noul"]
+    criteria: NoulCriteria | None = None
+
+
+class ChoiceQuestion(_Question):
+    """One option out of several. The model reads the options sorted by id; the answer lists them in request order."""
+
+    type: Literal["choice"]
+    criteria: dict[str, Description] = Field(
+        min_length=2, max_length=MAX_CHOICE_OPTIONS, description="Option id -> what the option means."
+    )
+
+
+class ScoreQuestion(_Question):
+    """A level on a scale; its answer is the expected level, counting from 0 for the first."""
+
+    type: Literal["score"]
+    criteria: list[Description] = Field(
+        min_length=MIN_SCORE_LEVELS, max_length=MAX_SCORE_LEVELS, description="What each level means, lowest first."
+    )
+
+
+Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+def _media_items(field_name: str) -> Any:
+    """The type of `images`, `audio` or `videos` (MEDIA_LIMITS): up to its count of items, each a base64 data URL or a
+    {content_type, base64} object of a content type the field accepts, in any letter case and, in the object, with
+    spaces around it allowed (validate_request trims and lowercases it)."""
+    max_items, content_types, max_bytes = MEDIA_LIMITS[field_name]
+    accepted = "(?i:" + "|".join(content_type.replace(".", r"\.") for content_type in content_types) + ")"
+    data_url = Annotated[str, Field(
+        pattern=rf"^data:{accepted}(?:;[^;,]*)*;base64,",
+        description="data:<content type>[;<ignored parameter>...];base64,<data>",
+    )]
+    media_object = create_model(
+        f"Inline{field_name.capitalize().removesuffix('s')}",
+        __base__=_RequestModel,
+        __doc__=f"An item of {field_name} as an object.",
+        content_type=(str, Field(pattern=rf"^\s*{accepted}\s*$", description=", ".join(content_types))),
+        base64=(str, Field(description="The bytes in base64; whitespace is ignored.")),
+    )
+    return Annotated[Annotated[list[data_url | media_object], Field(max_length=max_items)] | None, Field(
+        description=f"Up to {max_items}, each at most {max_bytes // MiB} MiB decoded, sent inline: the server reads "
+        f"no file and fetches no URL. Content types: {', '.join(content_types)}. null: none."
+    )]
+
+
+class _Asset(_RequestModel):
+    type: Literal["image"] = Field("image", description="The only kind of asset served.")
+    format: Literal[tuple(ASSET_FORMATS)] | None = Field(None, description="Optional: the bytes decide the format.")
+
+
+class ImageAsset(_Asset):
+    """An image in the TypeSafe clients' form."""
+
+    data_base64: str = Field(description="The image's bytes in base64.")
+    part: LeftOut = _left_out("Only in the request part of a multipart body.")
+
+
+class PartAsset(_Asset):
+    """In the request part of a multipart body: an image sent as a part of its own."""
+
+    part: str = Field(description="The name of the part holding the image's bytes.")
+
+
+class SystemOneRequest(_RequestModel):
+    """The body of POST /v1/systemone: one decision record. Fields not listed are ignored."""
+
+    model: str = Field(min_length=1, description="Any name, copied into the answer; not matched against the model "
+                       "served.")
+    state: str | dict[str, Any] | list[Any] = Field(description="What the questions are about: text as written, or "
+                                                    "JSON, which the model reads as compact JSON with sorted keys.")
+    questions: dict[Annotated[str, Field(min_length=1)], Question] = Field(
+        min_length=1, max_length=MAX_QUESTIONS, description="Question id -> question; the answers come back in this "
+        "order."
+    )
+    images: _media_items("images") = None
+    audio: _media_items("audio") = None
+    videos: _media_items("videos") = None
+    assets: Annotated[dict[str, ImageAsset], Field(max_length=MEDIA_LIMITS["images"][0])] | None = Field(
+        None, description="Images by placeholder, as the TypeSafe clients send them. They follow `images`, and count "
+        "toward its limits."
+    )
+    truncate: bool = Field(True, description="true: a state too long for the context loses its end; false: such a "
+                           "request is refused.")
+    id: Any = Field(None, description="Any JSON value, handed to the decision module as the record's id.")
+    media_kwargs: LeftOut = _left_out("Never accepted over the network: the server sets the media processors' "
+                                      "options itself.")
+
+    @model_validator(mode="after")
+    def _images_and_assets_within_the_image_count(self) -> "SystemOneRequest":
+        max_images = MEDIA_LIMITS["images"][0]
+        if len(self.images or ()) + len(self.assets or ()) > max_images:
+            raise ValueError(f"images and assets hold at most {max_images} images together")
+        return self
+
+
+class SystemOneMultipartRequest(SystemOneRequest):
+    """The request part of a multipart body, whose assets may name the parts holding their images."""
+
+    assets: Annotated[dict[str, ImageAsset | PartAsset], Field(max_length=MEDIA_LIMITS["images"][0])] | None = Field(
+        None, description="Images by placeholder, each inline or in the part it names; they follow `images`, and "
+        "count toward its limits."
+    )
+
+
+class SystemOneMultipartBody(BaseModel):
+    """A multipart/form-data body, as the TypeSafe clients upload images: the JSON request in a part named `request`,
+    each image in a part that an entry of its `assets` names, at most 5 parts of each kind."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, bytes] = Field(init=False)
+
+    request: SystemOneMultipartRequest
 
 
 def error_body(status: int, message: str, error_type: str, loc: tuple = ("body",)) -> dict:
@@ -3046,7 +3143,7 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
 
     app.add_middleware(ObserveDecisions, metrics=service.metrics)
 
-    @app.post("/v1/systemone", openapi_extra=SYSTEMONE_OPENAPI)
+    @app.post("/v1/systemone")
     async def systemone(request: Request) -> JSONResponse:
         service.check_api_key(request)
         service.ready()
@@ -3097,19 +3194,47 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
     async def docs() -> HTMLResponse:
         return HTMLResponse(docs_page(app.openapi()))
 
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's OpenAPI document, with the request body of POST /v1/systemone generated from its models: the
+        endpoint reads its body itself (compressed, multipart), so FastAPI has no model of it to describe."""
+        if app.openapi_schema is None:
+            document = fastapi_openapi()  # kept in app.openapi_schema: the additions below are made once
+            bodies = [(SystemOneRequest, "validation"), (SystemOneMultipartBody, "validation")]
+            refs, schemas = models_json_schema(bodies, ref_template="#/components/schemas/{model}")
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas["$defs"])
+            document["paths"]["/v1/systemone"]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[SystemOneRequest, "validation"]},
+                "multipart/form-data": {"schema": refs[SystemOneMultipartBody, "validation"],
+                                        "encoding": {MULTIPART_REQUEST_PART: {"contentType": "application/json"}}},
+            }}
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 def docs_page(openapi: dict) -> str:
-    """GET /docs: the OpenAPI document as one self-contained HTML page, every endpoint with its request schema.
-    FastAPI's Swagger UI loads its scripts from a CDN, so it is blank on a machine without internet access."""
+    """GET /docs: the OpenAPI document as one self-contained HTML page, every endpoint with its request body, then
+    every schema of components/schemas, each $ref a link to its schema. FastAPI's Swagger UI loads its scripts from a
+    CDN, so it is blank on a machine without internet access."""
+
+    def linked_json(value: Any) -> str:
+        text = html.escape(json.dumps(value, indent=2, ensure_ascii=False))
+        ref = r"&quot;#/components/schemas/([\w.-]+)&quot;"
+        return re.sub(ref, r'<a href="#\1">\g<0></a>', text)
+
     sections = []
     for path, operations in openapi["paths"].items():
         for method, operation in operations.items():
             sections.append(f"<h2>{method.upper()} {html.escape(path)}</h2>")
             if "requestBody" in operation:
-                request_body = json.dumps(operation["requestBody"]["content"], indent=2, ensure_ascii=False)
-                sections.append(f"<p>Request body, by content type:</p><pre>{html.escape(request_body)}</pre>")
+                sections.append("<p>Request body, by content type:</p>"
+                                f"<pre>{linked_json(operation['requestBody']['content'])}</pre>")
+    sections.append("<h2>Schemas</h2>")
+    for name, schema in openapi["components"]["schemas"].items():
+        sections.append(f"<h3 id=\"{html.escape(name)}\">{html.escape(name)}</h3><pre>{linked_json(schema)}</pre>")
     title = html.escape(openapi["info"]["title"])
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title} API</title></head><body>"
             f"<h1>{title} API</h1><p>The OpenAPI document itself: <a href=\"/openapi.json\">/openapi.json</a>.</p>"

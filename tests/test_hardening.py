@@ -378,13 +378,14 @@ def test_a_half_sent_body_gets_408_and_its_connection_closed(loaded, monkeypatch
 def test_openapi_describes_the_request_and_docs_work_offline(base_url):
     document = requests.get(f"{base_url}/openapi.json", timeout=TIMEOUT_S).json()
     content = document["paths"]["/v1/systemone"]["post"]["requestBody"]["content"]
-    schema = content["application/json"]["schema"]
+    schema = {**content["application/json"]["schema"], "components": document["components"]}  # where its $refs lead
     jsonschema.validate(GOOD_REQUEST, schema)
     for bad in ({"state": "s", "questions": {"q": {"type": "noul"}}}, {**GOOD_REQUEST, "questions": {}},
                 {**GOOD_REQUEST, "questions": {"q": {"type": "ranking"}}}, {**GOOD_REQUEST, "truncate": "no"}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    assert "request" in content["multipart/form-data"]["schema"]["properties"]
+    multipart_name = content["multipart/form-data"]["schema"]["$ref"].removeprefix("#/components/schemas/")
+    assert "request" in document["components"]["schemas"][multipart_name]["properties"]
     page = requests.get(f"{base_url}/docs", timeout=TIMEOUT_S)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/systemone" in page.text and "/openapi.json" in page.text
