@@ -507,30 +507,120 @@ def nvfp4_down_kernel(
              _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
 
 
+# Routing: a counting sort in two launches whose grids depend on T alone. The first counts, for every block of
+# pairs, the pairs of each expert; the second reads those counts back and places each block's pairs (its first
+# programs) or fills the tiles' experts and padding slots (the rest). No program reads what another program of its
+# own launch writes, and nothing is atomic: a routing gives the same bytes every time. Chunks of pairs are compared
+# as [C, E] and [C, C] masks, which fit in registers at E = 128 with 8 warps. The sizes that change with T are not
+# specialised on (as Triton would on 1 and multiples of 16), so no token count compiles anew after the warm-up.
+ROUTING_MOST_BLOCKS = 128  # blocks of pairs: about one counting program per SM of an H200
+ROUTING_CHUNK = 32  # pairs compared at once
+ROUTING_TILES = 16  # tiles per tile-filling program
+ROUTING_COUNT_ROWS = 32  # rows of block_counts read at once
+
+
+@triton.jit(do_not_specialize=["num_pairs", "block_pairs"])
+def count_pairs_per_expert_kernel(
+    expert_of_pair_ptr,  # int [S]: top_k_index flattened, pair token * K + k
+    block_counts_ptr,  # int32 [B, EXPERTS]: out, how many pairs of each block go to each expert
+    num_pairs, block_pairs,  # block_pairs: pairs per block, a multiple of CHUNK
+    EXPERTS: tl.constexpr,  # the number of experts rounded up to a power of two
+    CHUNK: tl.constexpr,
+):
+    block = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    one_hot_sums = tl.zeros((CHUNK, EXPERTS), dtype=tl.int32)  # reduced once, after the loop
+    for c0 in range(0, block_pairs, CHUNK):
+        pairs = block * block_pairs + c0 + tl.arange(0, CHUNK)  # [C]
+        pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < num_pairs, other=-1)  # -1 matches no expert
+        one_hot_sums += (pair_experts[:, None] == experts[None, :]).to(tl.int32)  # [C, E]
+    tl.store(block_counts_ptr + block * EXPERTS + experts, tl.sum(one_hot_sums, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "block_pairs", "num_blocks", "max_tiles"])
+def place_pairs_in_row_tiles_kernel(
+    expert_of_pair_ptr, block_counts_ptr, num_pairs, block_pairs,  # as for count_pairs_per_expert_kernel
+    slot_pairs_ptr,  # int32 [P]: out, the pair in each slot, -1 in padding
+    tile_experts_ptr,  # int32 [P / BLOCK_R]: out, the expert of each tile, num_experts past the last
+    num_blocks, num_experts, max_tiles,
+    EXPERTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    COUNT_ROWS: tl.constexpr,  # rows of block_counts read at once
+    TILES: tl.constexpr,  # tiles per tile-filling program
+):
+    program = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS)
+    # Every program sums the counts itself: each expert's pairs, and those in the blocks before this program's.
+    pairs_per_expert = tl.zeros((EXPERTS,), dtype=tl.int32)
+    pairs_in_earlier_blocks = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for b0 in range(0, num_blocks, COUNT_ROWS):
+        blocks = b0 + tl.arange(0, COUNT_ROWS)
+        counts = tl.load(block_counts_ptr + blocks[:, None] * EXPERTS + experts[None, :],
+                         mask=(blocks < num_blocks)[:, None], other=0)  # [COUNT_ROWS, E]
+        pairs_per_expert += tl.sum(counts, axis=0)
+        pairs_in_earlier_blocks += tl.sum(tl.where((blocks < program)[:, None], counts, 0), axis=0)
+    tiles_per_expert = (pairs_per_expert + BLOCK_R - 1) // BLOCK_R
+    tile_ends = tl.cumsum(tiles_per_expert, axis=0)  # [E]
+    tile_starts = tile_ends - tiles_per_expert
+    if program < num_blocks:
+        # A pair's slot: its expert's first slot + the expert's pairs before it (in earlier blocks, in earlier chunks
+        # of this block, earlier in its chunk), which keeps each expert's pairs in pair order.
+        next_slots = tile_starts * BLOCK_R + pairs_in_earlier_blocks  # [E]
+        in_chunk = tl.arange(0, CHUNK)
+        for c0 in range(0, block_pairs, CHUNK):
+            pairs = program * block_pairs + c0 + in_chunk  # [C]
+            pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < num_pairs, other=-1)
+            one_hot = pair_experts[:, None] == experts[None, :]  # [C, E]
+            earlier = in_chunk[None, :] < in_chunk[:, None]  # [C, C]
+            same_expert_before = (pair_experts[:, None] == pair_experts[None, :]) & earlier
+            slots = (tl.sum(tl.where(one_hot, next_slots[None, :], 0), axis=1)
+                     + tl.sum(same_expert_before.to(tl.int32), axis=1))  # [C]
+            tl.store(slot_pairs_ptr + slots, pairs, mask=pairs < num_pairs)
+            next_slots += tl.sum(one_hot.to(tl.int32), axis=0)
+    else:
+        # A tile's expert is the number of experts whose tiles end at or before it (num_experts past the last tile);
+        # its slots past the expert's pairs are padding.
+        tiles = (program - num_blocks) * TILES + tl.arange(0, TILES)  # [TILES]
+        ended = (tile_ends[None, :] <= tiles[:, None]) & (experts[None, :] < num_experts)  # [TILES, E]
+        tile_expert = tl.sum(ended.to(tl.int32), axis=1)  # [TILES]
+        pairs_from_tile_on = pairs_per_expert[None, :] - (tiles[:, None] - tile_starts[None, :]) * BLOCK_R  # [TILES, E]
+        filled = tl.sum(tl.where(tile_expert[:, None] == experts[None, :], pairs_from_tile_on, 0), axis=1)
+        filled = tl.minimum(tl.maximum(filled, 0), BLOCK_R)  # [TILES]: 0 past the last tile
+        rows = tl.arange(0, BLOCK_R)
+        in_grid = tiles < max_tiles
+        tl.store(tile_experts_ptr + tiles, tile_expert, mask=in_grid)
+        tl.store(slot_pairs_ptr + tiles[:, None] * BLOCK_R + rows[None, :], tl.full((TILES, BLOCK_R), -1, tl.int32),
+                 mask=in_grid[:, None] & (rows[None, :] >= filled[:, None]))
+
+
 def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
     """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
 
     top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
     int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
-    the most any routing can need, so the launch grid depends on T alone.
+    the most any routing can need, so the launch grid depends on T alone. Each expert's pairs keep their order, as
+    a stable sort by expert would leave them.
+
+    A counting sort in two launches (the comment above ROUTING_MOST_BLOCKS): per-block counts of each expert's
+    pairs, then from their sums each expert's first tile and each pair's rank among its expert's pairs, which give
+    its slot.
     """
-    num_pairs = top_k_index.numel()
-    device = top_k_index.device
     expert_of_pair = top_k_index.reshape(-1)  # [S]
-    pairs_by_expert = torch.argsort(expert_of_pair, stable=True)  # [S]
-    pairs_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    pairs_per_expert.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))  # [E]
-    tiles_per_expert = (pairs_per_expert + block_rows - 1) // block_rows  # [E]
-    tile_ends = torch.cumsum(tiles_per_expert, 0)  # [E]
-    first_slot = (tile_ends - tiles_per_expert) * block_rows  # [E]
-    first_pair = torch.cumsum(pairs_per_expert, 0) - pairs_per_expert  # [E]
+    num_pairs = expert_of_pair.numel()
     max_tiles = -(-num_pairs // block_rows) + min(num_experts, num_pairs)
-    tile_experts = torch.searchsorted(tile_ends, torch.arange(max_tiles, device=device), right=True)  # [P/R]
-    sorted_experts = expert_of_pair[pairs_by_expert]  # [S]
-    slots = first_slot[sorted_experts] + torch.arange(num_pairs, device=device) - first_pair[sorted_experts]  # [S]
-    slot_pairs = torch.full((max_tiles * block_rows,), -1, dtype=torch.int32, device=device)  # [P]
-    slot_pairs.scatter_(0, slots, pairs_by_expert.to(torch.int32))
-    return slot_pairs, tile_experts.to(torch.int32)
+    padded_experts = triton.next_power_of_2(num_experts)
+    # the fewest chunks per block that keep to ROUTING_MOST_BLOCKS blocks; a runtime argument, so no recompile per T
+    block_pairs = ROUTING_CHUNK * max(1, triton.cdiv(num_pairs, ROUTING_MOST_BLOCKS * ROUTING_CHUNK))
+    num_blocks = triton.cdiv(num_pairs, block_pairs)
+    block_counts = expert_of_pair.new_empty(num_blocks, padded_experts, dtype=torch.int32)  # [B, E padded]
+    slot_pairs = expert_of_pair.new_empty(max_tiles * block_rows, dtype=torch.int32)  # [P]
+    tile_experts = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
+    common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=8)
+    count_pairs_per_expert_kernel[(num_blocks,)](expert_of_pair, block_counts, num_pairs, block_pairs, **common)
+    place_pairs_in_row_tiles_kernel[(num_blocks + triton.cdiv(max_tiles, ROUTING_TILES),)](
+        expert_of_pair, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, num_blocks, num_experts,
+        max_tiles, BLOCK_R=block_rows, COUNT_ROWS=ROUTING_COUNT_ROWS, TILES=ROUTING_TILES, **common,
+    )
+    return slot_pairs, tile_experts
 
 
 @dataclass(frozen=True)
