@@ -3283,8 +3283,9 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         except RequestError as error:
             return error_response(error, ready=False, model_id=args.model)
         return JSONResponse({"ready": True, "model_id": loaded.model_id, "kind": loaded.kind,
-                             "expert_kernels": loaded.expert_kernels, "load_s": round(loaded.load_s, 3),
-                             "notice": loaded.notice})
+                             "expert_kernels": loaded.expert_kernels,
+                             "joint_head": "batched" if isinstance(loaded.model.head, BatchedJointSchemaHead)
+                             else "release", "load_s": round(loaded.load_s, 3), "notice": loaded.notice})
 
     @app.get("/livez")
     async def livez() -> dict:

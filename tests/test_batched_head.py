@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import requests
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -14,6 +15,7 @@ import joint_schema_model as jsm
 import serve_clef
 from test_engine import ANSWER_NOISE, largest_difference
 from test_engine import REQUESTS as ENGINE_REQUESTS
+from test_http import SERVER_ARGS, TIMEOUT_S, serve_in_thread, wait_until_ready
 
 CONFIG = {"hidden_size": 48, "width": 32, "routing_layers": 2, "layers": 2, "heads": 4, "feedforward": 64}
 VOCABULARY = 100
@@ -243,3 +245,12 @@ def test_a_head_with_other_maths_keeps_serving(served, release_head):
     assert loaded.model.head is doubled
     assert len(lines) == 1 and lines[0].startswith("joint head: the release's own (on the load's check batch")
 
+
+def test_healthz_says_which_head_serves(served, release_head):
+    loaded, _ = served
+    args = serve_clef.parse_args([*SERVER_ARGS, "--api-key", ""])
+    with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as url:
+        wait_until_ready(url, limit_s=TIMEOUT_S)
+        assert requests.get(f"{url}/healthz", timeout=TIMEOUT_S).json()["joint_head"] == "batched"
+        loaded.model.head = UniformHead()
+        assert requests.get(f"{url}/healthz", timeout=TIMEOUT_S).json()["joint_head"] == "release"
