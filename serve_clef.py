@@ -1948,7 +1948,7 @@ def capped_logit_scale(parameter: torch.Tensor) -> torch.Tensor:
 
 def span_means(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Means of spans laid end to end in rows [T, D] (each starting at its offset, [S]) -> [S, D] in rows' dtype,
-    summed in fp32 as `.mean(0)` of a BF16 span is (and without atomics, so a repeat gives the same bits)."""
+    summed in fp32 as `.mean(0)` of a BF16 span is (and without atomic additions, whose order varies between runs)."""
     positions = torch.arange(rows.shape[0], device=rows.device)  # [T]
     return torch.nn.functional.embedding_bag(positions, rows.float(), offsets, mode="mean").to(rows.dtype)
 
