@@ -1714,6 +1714,7 @@ def load_clef(
         progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
         packed_decoder.compile_layers()
         packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+    install_batched_head(clef_model, schema, processor, progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, load_s, notice)
@@ -1973,6 +1974,252 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
     packed = PackedTextDecoder(getattr(parent, attribute), len(thinker.config.vision_config.deepstack_visual_indexes))
     setattr(parent, attribute, packed)
     return packed
+
+
+# ---- the joint head, batched -----------------------------------------------------------------------------------------
+# The decision module's JointSchemaHead loops in Python over the records, questions and options of a batch: a mean per
+# span, a lookup per option, attention per record, and a host read of each record's length. Its GPU work is tiny, but
+# its ~4,000 kernel launches for 16 records made it 121 ms of a 16-record forward on an H200 (6.7 ms at one 516-token
+# record), against 230-295 ms for the 48-layer text decoder. BatchedJointSchemaHead computes the same maths for the
+# whole batch at once, in a fixed number of launches, from index tensors built on the host from the records' spans.
+#
+# Dimension letters: B records, L padded length, H thinker hidden, W head width, Q questions and N options of the whole
+# batch, Qb questions and Nb options of the record that has most, K options of the question that has most, Ts tokens
+# of all question and option spans, To tokens of all option spans.
+
+# A batched head serves only once its logits on the load's check batch are the release head's to within this fraction
+# of their largest magnitude (at least 1). BF16 carries 8 significant bits (0.4% per rounding) and the batch changes
+# the shapes, so the summation order, of the head's matrix products and attention: that noise moves a logit by about
+# 1% of the largest (the tests measure it), where a different formula moves it by tens of percent.
+BATCHED_HEAD_TOLERANCE = 0.03
+# The load checks the batched head on the warm-up record together with this longer one, which has every question type
+# and questions of 2 to 4 options: the check batch is padded, and its records differ in questions and options.
+HEAD_CHECK_REQUEST = {
+    "state": {"ticket": "The parcel arrived two weeks late and the box was crushed. " * 4, "orders": 3},
+    "questions": {
+        "team": {"type": "choice", "criteria": {"billing": None, "shipping": "late or damaged parcels",
+                                                 "support": "everything else"}},
+        "anger": {"type": "score", "criteria": ["calm", "annoyed", "angry", "furious"]},
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    },
+}
+
+
+class JointHeadIndex(NamedTuple):
+    """Where a batch's questions, options and span tokens lie, for BatchedJointSchemaHead: int64 tensors built on the
+    host from the records (`joint_head_index`) and copied to the device in one piece (`to`).
+
+    Questions are numbered 0..Q-1 and options 0..N-1 across the batch, record after record, question after question.
+    Token rows index the hidden states flattened to [B*L, H]. The padded layouts fill their padding slots with Q or N:
+    one past the last question or option, where the head appends a padding row."""
+
+    span_token_rows: torch.Tensor  # [Ts] the tokens of every question span, then of every option span, span by span
+    span_offsets: torch.Tensor  # [Q + N] where each span starts in span_token_rows: question q, then option n at Q + n
+    option_token_rows: torch.Tensor  # [To] the tokens of every option span, span by span
+    option_offsets: torch.Tensor  # [N] where each option's span starts in option_token_rows
+    last_token_rows: torch.Tensor  # [B] each record's last real token (the end of "DECISIONS:")
+    question_records: torch.Tensor  # [Q] the record of each question
+    question_types: torch.Tensor  # [Q] rows of the head's type_embedding
+    option_questions: torch.Tensor  # [N] the question of each option
+    record_options: torch.Tensor  # [B, Nb] each record's options, then N
+    option_slots: torch.Tensor  # [N] each option's row in record_options flattened
+    question_options: torch.Tensor  # [Q, K] each question's options, then N
+    record_questions: torch.Tensor  # [B, Qb] each record's questions, then Q
+    question_slots: torch.Tensor  # [Q] each question's row in record_questions flattened
+
+    def to(self, device: torch.device) -> "JointHeadIndex":
+        """The same index on `device`, in one host-to-device copy, from pinned memory on CUDA so that the copy waits
+        for neither the host nor the device's queued work."""
+        packed = torch.cat([part.flatten() for part in self])
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        parts = packed.split([part.numel() for part in self])
+        return JointHeadIndex(*(part.view(like.shape) for part, like in zip(parts, self)))
+
+
+def expand_spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of spans [starts[s], starts[s] + lengths[s]), span after span, and where each span starts in them."""
+    offsets = np.cumsum(lengths) - lengths  # [S]
+    return np.repeat(starts - offsets, lengths) + np.arange(lengths.sum()), offsets
+
+
+def padded_groups(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Members numbered group after group (counts[g] of them in group g), laid out padded: [G, max count] each group's
+    members, then sum(counts) in the padding; and [sum(counts)] each member's row in that layout flattened."""
+    total, widest = int(counts.sum()), int(counts.max())
+    firsts = np.cumsum(counts) - counts  # [G]
+    columns = np.arange(widest)
+    layout = np.where(columns < counts[:, None], firsts[:, None] + columns, total)  # [G, widest]
+    rows = np.repeat(np.arange(len(counts)) * widest - firsts, counts) + np.arange(total)  # [total]
+    return layout, rows
+
+
+def joint_head_index(records: list, length: int) -> JointHeadIndex:
+    """The JointHeadIndex of records (EncodedRecord-like) batched right-padded to `length` tokens, from their spans
+    and lengths alone: nothing is read from the device."""
+    questions = [(b, question) for b, record in enumerate(records) for question in record.questions]
+    question_spans = np.array([question.question_span for _, question in questions]).reshape(-1, 2)  # [Q, 2]
+    question_spans += np.array([b * length for b, _ in questions])[:, None]
+    option_spans = np.array([span for _, question in questions for span in question.option_spans]).reshape(-1, 2)
+    options_per_question = np.array([len(question.option_spans) for _, question in questions])  # [Q]
+    option_spans += np.repeat(np.array([b * length for b, _ in questions]), options_per_question)[:, None]  # [N, 2]
+    spans = np.concatenate([question_spans, option_spans])  # [Q + N, 2], rows of [B*L]
+    questions_per_record = np.array([len(record.questions) for record in records])  # [B]
+    options_per_record = np.array([sum(len(q.option_spans) for q in record.questions) for record in records])  # [B]
+    record_options, option_slots = padded_groups(options_per_record)
+    question_options, _ = padded_groups(options_per_question)
+    record_questions, question_slots = padded_groups(questions_per_record)
+    parts = (
+        *expand_spans(spans[:, 0], spans[:, 1] - spans[:, 0]),
+        *expand_spans(option_spans[:, 0], option_spans[:, 1] - option_spans[:, 0]),
+        np.arange(len(records)) * length + np.array([len(record.input_ids) for record in records]) - 1,
+        np.repeat(np.arange(len(records)), questions_per_record),
+        np.array([question.question_type for _, question in questions]),
+        np.repeat(np.arange(len(questions)), options_per_question),
+        record_options, option_slots, question_options, record_questions, question_slots,
+    )
+    return JointHeadIndex(*(torch.from_numpy(np.asarray(part, dtype=np.int64)) for part in parts))
+
+
+def with_padding_row(rows: torch.Tensor) -> torch.Tensor:  # [R, D] -> [R + 1, D], the last row zeros
+    return torch.nn.functional.pad(rows, (0, 0, 0, 1))
+
+
+def capped_logit_scale(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.clamp(max=math.log(100.0)).exp()  # the head's learned logit scales: capped at 100, no lower bound
+
+
+def span_means(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Means of spans laid end to end in rows [T, D] (each starting at its offset, [S]) -> [S, D] in rows' dtype,
+    summed in fp32 as `.mean(0)` of a BF16 span is (and without atomic additions, whose order varies between runs)."""
+    positions = torch.arange(rows.shape[0], device=rows.device)  # [T]
+    return torch.nn.functional.embedding_bag(positions, rows.float(), offsets, mode="mean").to(rows.dtype)
+
+
+class BatchedJointSchemaHead(torch.nn.Module):
+    """Stands in for the decision module's JointSchemaHead, with its forward signature and its maths, computed for all
+    records, questions and options of a batch together (see the comment above). It reads the wrapped head's own
+    modules and parameters (no copies), calling its LayerNorms, Linears, nn.MultiheadAttention and
+    nn.TransformerDecoderLayer with padding masks: each record's options attend only to its own tokens, its fields to
+    its own tokens and fields. For inference: the head's dropouts are called and are identity in eval mode."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, records: list,
+        output_embedding_weight: torch.Tensor,
+    ) -> list[list[torch.Tensor]]:
+        # hidden_states [B, L, H] (the thinker's, after its final norm), input_ids and attention_mask [B, L]
+        # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n]
+        head = self.head
+        batch, length, _ = hidden_states.shape
+        index = joint_head_index(records, length).to(hidden_states.device)
+        questions, options = index.question_types.shape[0], index.option_questions.shape[0]
+
+        normalized = head.hidden_norm(hidden_states).flatten(0, 1)  # [B*L, H]
+        memory = head.memory_projection(normalized).view(batch, length, -1)  # [B, L, W]
+        memory_padding = attention_mask == 0  # [B, L]
+        last_tokens = normalized[index.last_token_rows]  # [B, H]
+        question_vectors, contexts = span_means(normalized[index.span_token_rows], index.span_offsets).split(
+            [questions, options])  # [Q, H], [N, H]
+        option_token_ids = input_ids.flatten()[index.option_token_rows]  # [To]
+        lexicals = span_means(output_embedding_weight[option_token_ids], index.option_offsets)  # [N, H]
+
+        queries = (head.option_context_projection(contexts) + head.option_lexical_projection(lexicals)
+                   + head.option_question_projection(question_vectors)[index.option_questions])  # [N, W]
+        routed = with_padding_row(queries)[index.record_options]  # [B, Nb, W]
+        for layer in head.evidence_layers:
+            normed_memory = layer.memory_norm(memory)
+            attended = layer.attention(layer.query_norm(routed), normed_memory, normed_memory,
+                                       key_padding_mask=memory_padding, need_weights=False)[0]
+            routed = routed + layer.attention_dropout(attended)
+            routed = routed + layer.feedforward(layer.feedforward_norm(routed))
+        routed = routed.flatten(0, 1)[index.option_slots]  # [N, W]
+
+        # each question's summary of its routed options, weighted by a softmax over its own options
+        base = head.question_projection(question_vectors)  # [Q, W]
+        by_question = with_padding_row(routed)[index.question_options]  # [Q, K, W]
+        scores = (by_question @ base[:, :, None]).squeeze(-1) / math.sqrt(head.width)  # [Q, K]
+        weights = torch.softmax(scores.masked_fill(index.question_options == options, -math.inf), dim=-1)  # [Q, K]
+        summaries = (weights[:, :, None] * by_question).sum(1)  # [Q, W]
+        fields = (base + head.option_summary_norm(summaries)
+                  + head.global_projection(last_tokens)[index.question_records]
+                  + head.type_embedding(index.question_types))  # [Q, W]
+        decoded = with_padding_row(fields)[index.record_questions]  # [B, Qb, W]
+        field_padding = index.record_questions == questions  # [B, Qb]
+        for layer in head.layers:
+            decoded = layer(decoded, memory, tgt_key_padding_mask=field_padding,
+                            memory_key_padding_mask=memory_padding)
+        fields = head.field_norm(decoded.flatten(0, 1)[index.question_slots])  # [Q, W]
+
+        # each option's logit: a lexical prior plus the gated agreement of its question's field with the option
+        anchors = question_vectors + last_tokens[index.question_records]  # [Q, H]
+        anchors = torch.nn.functional.normalize(anchors, dim=-1)
+        lexical_directions = torch.nn.functional.normalize(lexicals, dim=-1)  # [N, H]
+        priors = (lexical_directions[:, None, :] @ anchors[index.option_questions, :, None]).view(options)  # [N]
+        priors = capped_logit_scale(head.prior_logit_scale) * priors
+        option_vectors = head.option_norm(routed)  # [N, W]
+        field_vectors = fields[index.option_questions]  # [N, W]
+        cosines = torch.nn.functional.cosine_similarity(field_vectors, option_vectors, dim=-1)  # [N]
+        pairs = torch.cat([field_vectors, option_vectors, field_vectors * option_vectors,
+                           (field_vectors - option_vectors).abs()], dim=-1)  # [N, 4W]
+        residuals = head.residual_scorer(pairs).squeeze(-1)  # [N]
+        logits = priors + torch.sigmoid(head.residual_gate) * (
+            capped_logit_scale(head.joint_logit_scale) * cosines + residuals)  # [N]
+
+        per_question = iter(logits.split([len(question.option_spans) for record in records
+                                          for question in record.questions]))
+        return [[next(per_question) for _ in record.questions] for record in records]
+
+
+def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, processor: Any,
+                         progress: Callable[[str], None]) -> None:
+    """Put a BatchedJointSchemaHead in place of the decision module's head (`model.head`), once it has given that
+    head's logits (to within BATCHED_HEAD_TOLERANCE) on a check batch run through the whole model as the engine runs
+    it: the warm-up record and HEAD_CHECK_REQUEST's. A head whose maths differ (a release's own
+    joint_schema_model.py may carry another) keeps serving, and one progress line says which head serves and why."""
+    records = [schema.encode_record(processor.tokenizer, request) for request in (WARM_UP_REQUEST, HEAD_CHECK_REQUEST)]
+    batch = schema.collate_records(records, processor.tokenizer.pad_token_id, next(model.parameters()).device)
+    head_calls = []  # (args, kwargs, logits) of each call of the release's head
+    hook = model.head.register_forward_hook(
+        lambda module, args, kwargs, logits: head_calls.append((args, kwargs, logits)), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            model._forward_unpadded(batch)
+    finally:
+        hook.remove()
+    if len(head_calls) != 1:
+        progress(f"joint head: the release's own (the model called its head {len(head_calls)} times on one batch, "
+                 "so the batched head could not be checked against it)")
+        return
+    (args, kwargs, expected), = head_calls
+    batched = BatchedJointSchemaHead(model.head)
+    try:
+        with torch.inference_mode():
+            got = batched(*args, **kwargs)
+        got_shapes, expected_shapes = ([[tuple(question.shape) for question in record] for record in logits]
+                                       for logits in (got, expected))
+    except Exception as error:  # a head unlike JointSchemaHead: its modules, shapes or records fail our maths somehow
+        progress(f"joint head: the release's own (the batched head cannot run it: {type(error).__name__}: {error})")
+        return
+    if got_shapes != expected_shapes:
+        progress("joint head: the release's own (the batched head's logits have other shapes than the release "
+                 "head's on the load's check batch)")
+        return
+    got, expected = (torch.cat([question.float().flatten() for record in logits for question in record])
+                     for logits in (got, expected))
+    difference = (got - expected).abs().max().item()
+    allowed = BATCHED_HEAD_TOLERANCE * max(1.0, expected.abs().max().item())
+    if not difference <= allowed:  # NaN differs too
+        progress(f"joint head: the release's own (on the load's check batch the batched head's logits differ from "
+                 f"the release head's by up to {difference:.3g}, over the {allowed:.3g} allowed: its maths differ)")
+        return
+    model.head = batched
+    progress(f"joint head: batched (its logits on the load's check batch are the release head's to within "
+             f"{difference:.3g})")
 
 
 def batch_compatible(encoded_records: list) -> bool:
@@ -3273,8 +3520,9 @@ def create_app(args: argparse.Namespace, load: Callable[..., LoadedClef] | None 
         except RequestError as error:
             return error_response(error, ready=False, model_id=args.model)
         return JSONResponse({"ready": True, "model_id": loaded.model_id, "kind": loaded.kind,
-                             "expert_kernels": loaded.expert_kernels, "load_s": round(loaded.load_s, 3),
-                             "notice": loaded.notice})
+                             "expert_kernels": loaded.expert_kernels,
+                             "joint_head": "batched" if isinstance(loaded.model.head, BatchedJointSchemaHead)
+                             else "release", "load_s": round(loaded.load_s, 3), "notice": loaded.notice})
 
     @app.get("/livez")
     async def livez() -> dict:

@@ -1,0 +1,256 @@
+"""serve_clef's BatchedJointSchemaHead against the decision module's JointSchemaHead (joint_schema_model.py), the
+reference: the same logits from random heads and hidden states in FP32 (to float rounding) and BF16 (to BF16 noise),
+padding that changes nothing, a number of operations that does not grow with the batch, and the load-time check that
+installs it only over a head whose logits it reproduces."""
+
+import json
+import random
+
+import pytest
+import requests
+import torch
+from torch.overrides import TorchFunctionMode
+
+import joint_schema_model as jsm
+import serve_clef
+from test_engine import ANSWER_NOISE, largest_difference
+from test_engine import REQUESTS as ENGINE_REQUESTS
+from test_http import SERVER_ARGS, TIMEOUT_S, serve_in_thread, wait_until_ready
+
+CONFIG = {"hidden_size": 48, "width": 32, "routing_layers": 2, "layers": 2, "heads": 4, "feedforward": 64}
+VOCABULARY = 100
+# FP32: the batched head sums in another order (segment means, padded attention), so float rounding only.
+FP32_TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+# BF16: the batch changes the shapes, so the summation order, of every matrix product and attention, and each of the
+# head's steps rounds to 8 significant bits. Measured over 8 random heads: the two heads' logits differ by at most
+# 1.8% of the largest logit, and each is as far from the FP32 logits as the other (within a factor 1.4).
+BF16_TOLERANCE = 0.03  # of the largest logit's magnitude
+BF16_ERROR_FACTOR = 2.0  # the batched head's distance to the FP32 logits, at most this times the reference head's
+
+
+def random_head(seed: int) -> jsm.JointSchemaHead:
+    """A JointSchemaHead with every parameter random (its scalars too, so that no term is switched off)."""
+    torch.manual_seed(seed)
+    head = jsm.JointSchemaHead(**CONFIG).eval()
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.3)
+        head.prior_logit_scale.fill_(1.5)
+        head.joint_logit_scale.fill_(2.0)
+        head.residual_gate.fill_(0.3)
+    return head
+
+
+def random_record(rng: random.Random, record_id: str, option_counts: list[int]) -> jsm.EncodedRecord:
+    """A record with one question per entry of option_counts (random types), spans of 1-6 tokens with gaps between
+    them, and a few tokens after the last span."""
+    position, questions = rng.randint(2, 12), []
+    for k, option_count in enumerate(option_counts):
+        question_length = rng.randint(1, 5)
+        question_span = (position, position + question_length)
+        position += question_length + rng.randint(1, 3)
+        option_spans = []
+        for _ in range(option_count):
+            option_length = rng.randint(1, 6)
+            option_spans.append((position, position + option_length))
+            position += option_length + rng.randint(0, 2)
+        questions.append(jsm.EncodedQuestion(f"q{k}", rng.randrange(3), question_span, tuple(option_spans),
+                                             tuple(str(j) for j in range(option_count))))
+    input_ids = tuple(rng.randrange(VOCABULARY) for _ in range(position + rng.randint(1, 20)))
+    return jsm.EncodedRecord(input_ids=input_ids, questions=tuple(questions), record_id=record_id)
+
+
+def random_records(seed: int) -> list[jsm.EncodedRecord]:
+    """Five records of different lengths and question counts; one question has a single option."""
+    rng = random.Random(seed)
+    shapes = [[2, 3], [1], [5, 2, 4, 2], [3, 3, 2], [2]]
+    return [random_record(rng, f"r{index}", option_counts) for index, option_counts in enumerate(shapes)]
+
+
+def head_inputs(records: list, seed: int, dtype=torch.float32) -> tuple:
+    """The head's arguments for records right-padded into one batch: random hidden states (large in the padding, so
+    that any leak shows), ids, mask and an output embedding table."""
+    generator = torch.Generator().manual_seed(seed)
+    length = max(len(record.input_ids) for record in records)
+    hidden_states = 2 * torch.randn(len(records), length, CONFIG["hidden_size"], generator=generator)  # [B, L, H]
+    input_ids = torch.randint(VOCABULARY, (len(records), length), generator=generator)  # [B, L]
+    attention_mask = torch.zeros(len(records), length, dtype=torch.long)  # [B, L]
+    for b, record in enumerate(records):
+        hidden_states[b, len(record.input_ids) :] *= 50
+        input_ids[b, : len(record.input_ids)] = torch.tensor(record.input_ids)
+        attention_mask[b, : len(record.input_ids)] = 1
+    output_embedding_weight = torch.randn(VOCABULARY, CONFIG["hidden_size"], generator=generator)  # [V, H]
+    return hidden_states.to(dtype), input_ids, attention_mask, records, output_embedding_weight.to(dtype)
+
+
+def flat(logits: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.cat([question.float() for record in logits for question in record])
+
+
+@torch.inference_mode()
+def test_fp32_logits_are_the_reference_heads():
+    for seed in range(3):
+        head = random_head(seed)
+        inputs = head_inputs(random_records(seed), seed)
+        expected = head(*inputs)
+        got = serve_clef.BatchedJointSchemaHead(head)(*inputs)
+        assert [[q.shape for q in record] for record in got] == [[q.shape for q in record] for record in expected]
+        for got_record, expected_record in zip(got, expected, strict=True):
+            for got_question, expected_question in zip(got_record, expected_record, strict=True):
+                torch.testing.assert_close(got_question, expected_question, **FP32_TOLERANCE)
+
+
+@torch.inference_mode()
+def test_a_record_scores_the_same_alone_and_in_a_padded_batch():
+    head = serve_clef.BatchedJointSchemaHead(random_head(0))
+    records = random_records(0)
+    hidden_states, input_ids, attention_mask, _, output_embedding_weight = head_inputs(records, 0)
+    batched = head(hidden_states, input_ids, attention_mask, records, output_embedding_weight)
+    for b, record in enumerate(records):
+        length = len(record.input_ids)
+        alone = head(hidden_states[b : b + 1, :length], input_ids[b : b + 1, :length],
+                     attention_mask[b : b + 1, :length], [record], output_embedding_weight)[0]
+        for in_batch, by_itself in zip(batched[b], alone, strict=True):
+            torch.testing.assert_close(in_batch, by_itself, **FP32_TOLERANCE)
+
+
+@torch.inference_mode()
+def test_bf16_logits_are_the_reference_heads_within_bf16_noise():
+    for seed in range(3):
+        head = random_head(seed)
+        records = random_records(seed)
+        exact = flat(head(*head_inputs(records, seed)))
+        head.to(torch.bfloat16)
+        inputs = head_inputs(records, seed, torch.bfloat16)
+        expected = flat(head(*inputs))
+        got = flat(serve_clef.BatchedJointSchemaHead(head)(*inputs))
+        assert (got - expected).abs().max() <= BF16_TOLERANCE * max(1.0, expected.abs().max().item())
+        assert (got - exact).abs().max() <= BF16_ERROR_FACTOR * (expected - exact).abs().max()
+
+
+class TorchCallCounter(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def torch_calls(head, inputs) -> int:
+    with torch.inference_mode(), TorchCallCounter() as counter:
+        head(*inputs)
+    return counter.calls
+
+
+def test_the_number_of_operations_does_not_grow_with_records_questions_or_options():
+    """The same torch calls (so the same kernel launches) for 1, 2 and 5 records of 1 to 4 questions, where the
+    reference head's calls grow with every record, question and option."""
+    head = random_head(0)
+    records = random_records(0)
+    batches = [records[1:2], records[:2], records]
+    batched_calls = [torch_calls(serve_clef.BatchedJointSchemaHead(head), head_inputs(batch, 0)) for batch in batches]
+    reference_calls = [torch_calls(head, head_inputs(batch, 0)) for batch in batches]
+    assert len(set(batched_calls)) == 1
+    assert reference_calls[0] < reference_calls[1] < reference_calls[2]
+    assert batched_calls[0] < reference_calls[2]
+
+
+# ---- the head of a served model --------------------------------------------------------------------------------------
+
+REQUESTS = [  # three records of different lengths, every question type, 1 to 2 questions
+    *ENGINE_REQUESTS,
+    {"model": "clef-omni", "state": {"k": [1, 2, 3]},
+     "questions": {"x": {"type": "score", "criteria": ["low", "mid", "high", "top"]}, "y": {"type": "noul"}}},
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The tiny synthetic model as load_clef serves it, and the lines its load printed."""
+    lines = []
+    loaded = serve_clef.load_clef("synthetic", device="cpu", progress=lines.append)
+    return loaded, lines
+
+
+@pytest.fixture
+def release_head(served):
+    """The release's own head (the one the batched head wraps); the batched head is put back after the test."""
+    loaded, _ = served
+    batched = loaded.model.head
+    yield batched.head
+    loaded.model.head = batched
+
+
+def test_load_installs_the_batched_head_and_answers_stay_the_release_heads(served, release_head):
+    loaded, lines = served
+    batched = loaded.model.head
+    assert isinstance(batched, serve_clef.BatchedJointSchemaHead) and batched.head is release_head
+    assert any(line.startswith("joint head: batched") for line in lines)
+    prepared = [serve_clef.prepare(loaded, request, 4096) for request in REQUESTS]
+    encoded = [record.encoded for record in prepared]
+    batched_logits = serve_clef.score_records(loaded, encoded)
+    loaded.model.head = release_head
+    release_logits = serve_clef.score_records(loaded, encoded)
+    got, expected = flat(batched_logits), flat(release_logits)
+    assert (got - expected).abs().max() <= BF16_TOLERANCE * max(1.0, expected.abs().max().item())
+    for record, got_logits, expected_logits in zip(prepared, batched_logits, release_logits, strict=True):
+        got_answers = serve_clef.answer(loaded, record, got_logits)["answers"]
+        expected_answers = serve_clef.answer(loaded, record, expected_logits)["answers"]
+        assert largest_difference(got_answers, expected_answers) <= ANSWER_NOISE
+
+
+class UniformHead(torch.nn.Module):
+    """A decision module's head unlike JointSchemaHead: the same forward signature, none of its modules, every option
+    of a question equally likely."""
+
+    def __init__(self):
+        super().__init__()
+        self.logit = torch.nn.Parameter(torch.zeros((), dtype=torch.bfloat16))
+
+    def forward(self, hidden_states, input_ids, attention_mask, records, output_embedding_weight):
+        return [[self.logit.expand(len(question.option_spans)) for question in record.questions] for record in records]
+
+
+class DoubledHead(jsm.JointSchemaHead):
+    """JointSchemaHead's modules and parameters with other maths: every logit doubled."""
+
+    def forward(self, *inputs):
+        return [[2 * question for question in record] for record in super().forward(*inputs)]
+
+
+def test_a_head_unlike_joint_schema_head_keeps_serving(served, release_head):
+    loaded, _ = served
+    foreign = UniformHead()
+    loaded.model.head = foreign
+    lines = []
+    serve_clef.install_batched_head(loaded.model, loaded.schema, loaded.processor, lines.append)
+    assert loaded.model.head is foreign
+    assert len(lines) == 1 and lines[0].startswith("joint head: the release's own (the batched head cannot run it")
+    answers = serve_clef.decide(loaded, REQUESTS[1], 4096)["answers"]
+    assert answers["team"]["probabilities"] == {"billing": 0.3333, "shipping": 0.3333, "support": 0.3333}
+
+
+def test_a_head_with_other_maths_keeps_serving(served, release_head):
+    loaded, _ = served
+    config = json.loads((loaded.checkpoint_dir / "joint_head_config.json").read_text())
+    doubled = DoubledHead(**config).to(torch.bfloat16).eval()
+    doubled.load_state_dict(release_head.state_dict())
+    loaded.model.head = doubled
+    lines = []
+    serve_clef.install_batched_head(loaded.model, loaded.schema, loaded.processor, lines.append)
+    assert loaded.model.head is doubled
+    assert len(lines) == 1 and lines[0].startswith("joint head: the release's own (on the load's check batch")
+
+
+def test_healthz_says_which_head_serves(served, release_head):
+    loaded, _ = served
+    args = serve_clef.parse_args([*SERVER_ARGS, "--api-key", ""])
+    with serve_in_thread(serve_clef.create_app(args, load=lambda args, progress: loaded)) as url:
+        wait_until_ready(url, limit_s=TIMEOUT_S)
+        assert requests.get(f"{url}/healthz", timeout=TIMEOUT_S).json()["joint_head"] == "batched"
+        loaded.model.head = UniformHead()
+        assert requests.get(f"{url}/healthz", timeout=TIMEOUT_S).json()["joint_head"] == "release"
