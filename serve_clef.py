@@ -1694,11 +1694,10 @@ def load_clef(
     clef_model = schema.ClefModel(thinker, head).eval()
     processor = load_processor(checkpoint_dir, schema)
     packed_decoder = install_packed_decoder(thinker)
+    tied_embeddings = packed_decoder.decoder.embed_tokens.weight is clef_model.output_embeddings.weight
+    if device.type == "cuda" and not tied_embeddings:  # a table tied to the lm_head stays on the device
+        packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
-        embedding = packed_decoder.decoder.embed_tokens
-        if embedding.weight is not clef_model.output_embeddings.weight:  # a table tied to the lm_head stays on device
-            packed_decoder.decoder.embed_tokens = HostEmbedding(embedding)
-            del embedding
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
         # now, not in the first request.
         # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); the towers' SDPA
@@ -1715,6 +1714,10 @@ def load_clef(
         packed_decoder.compile_layers()
         packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
     install_batched_head(clef_model, schema, processor, progress)
+    if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
+        # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
+        # the device), so the output embeddings can live on the host too
+        clef_model.output_embeddings = HostEmbedding(clef_model.output_embeddings)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, load_s, notice)
@@ -1945,12 +1948,13 @@ class PackedTextDecoder(torch.nn.Module):
 
 
 class HostEmbedding(torch.nn.Module):
-    """Stands in for the text decoder's token embedding (nn.Embedding) with its table in host memory. The table
-    is only looked up, never multiplied, so a forward copies to the device just the rows of its tokens (T x H,
-    2 MiB at 512 tokens) and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free. Its lookups run before the graphed
-    decoder, on the host, after one read of the token ids that the forward does anyway."""
+    """Stands in for a table that is only looked up, never multiplied, with the table in host memory: the text
+    decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, after one
+    read of the token ids that the forward does anyway; and the output embeddings (the lm_head's weight), of which
+    the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
+    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free per table."""
 
-    def __init__(self, embedding: torch.nn.Embedding):
+    def __init__(self, embedding: torch.nn.Module):  # an nn.Embedding or nn.Linear: its weight [V, H] is the table
         super().__init__()
         self.device = embedding.weight.device
         self.weight = embedding.weight.detach().cpu()  # [V, H]; a plain attribute: .to() leaves it here
@@ -2015,8 +2019,8 @@ class JointHeadIndex(NamedTuple):
 
     span_token_rows: torch.Tensor  # [Ts] the tokens of every question span, then of every option span, span by span
     span_offsets: torch.Tensor  # [Q + N] where each span starts in span_token_rows: question q, then option n at Q + n
-    option_token_rows: torch.Tensor  # [To] the tokens of every option span, span by span
-    option_offsets: torch.Tensor  # [N] where each option's span starts in option_token_rows
+    option_token_ids: torch.Tensor  # [To] the token ids of every option span, span by span
+    option_offsets: torch.Tensor  # [N] where each option's span starts in option_token_ids
     last_token_rows: torch.Tensor  # [B] each record's last real token (the end of "DECISIONS:")
     question_records: torch.Tensor  # [Q] the record of each question
     question_types: torch.Tensor  # [Q] rows of the head's type_embedding
@@ -2065,6 +2069,7 @@ def joint_head_index(records: list, length: int) -> JointHeadIndex:
     options_per_question = np.array([len(question.option_spans) for _, question in questions])  # [Q]
     option_spans += np.repeat(np.array([b * length for b, _ in questions]), options_per_question)[:, None]  # [N, 2]
     spans = np.concatenate([question_spans, option_spans])  # [Q + N, 2], rows of [B*L]
+    option_lengths = option_spans[:, 1] - option_spans[:, 0]  # [N]
     questions_per_record = np.array([len(record.questions) for record in records])  # [B]
     options_per_record = np.array([sum(len(q.option_spans) for q in record.questions) for record in records])  # [B]
     record_options, option_slots = padded_groups(options_per_record)
@@ -2072,7 +2077,9 @@ def joint_head_index(records: list, length: int) -> JointHeadIndex:
     record_questions, question_slots = padded_groups(questions_per_record)
     parts = (
         *expand_spans(spans[:, 0], spans[:, 1] - spans[:, 0]),
-        *expand_spans(option_spans[:, 0], option_spans[:, 1] - option_spans[:, 0]),
+        np.concatenate([record.input_ids[start:end] for record in records for question in record.questions
+                        for start, end in question.option_spans]),
+        np.cumsum(option_lengths) - option_lengths,
         np.arange(len(records)) * length + np.array([len(record.input_ids) for record in records]) - 1,
         np.repeat(np.arange(len(records)), questions_per_record),
         np.array([question.question_type for _, question in questions]),
@@ -2116,7 +2123,8 @@ class BatchedJointSchemaHead(torch.nn.Module):
         # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n]
         head = self.head
         batch, length, _ = hidden_states.shape
-        index = joint_head_index(records, length).to(hidden_states.device)
+        host_index = joint_head_index(records, length)
+        index = host_index.to(hidden_states.device)
         questions, options = index.question_types.shape[0], index.option_questions.shape[0]
 
         normalized = head.hidden_norm(hidden_states).flatten(0, 1)  # [B*L, H]
@@ -2125,8 +2133,11 @@ class BatchedJointSchemaHead(torch.nn.Module):
         last_tokens = normalized[index.last_token_rows]  # [B, H]
         question_vectors, contexts = span_means(normalized[index.span_token_rows], index.span_offsets).split(
             [questions, options])  # [Q, H], [N, H]
-        option_token_ids = input_ids.flatten()[index.option_token_rows]  # [To]
-        lexicals = span_means(output_embedding_weight[option_token_ids], index.option_offsets)  # [N, H]
+        # the output embeddings may be on the host (install_batched_head): gather there, copy just the rows
+        on_device = output_embedding_weight.device == hidden_states.device
+        option_token_ids = (index if on_device else host_index).option_token_ids  # [To]
+        option_rows = output_embedding_weight[option_token_ids].to(hidden_states.device, non_blocking=True)  # [To, H]
+        lexicals = span_means(option_rows, index.option_offsets)  # [N, H]
 
         queries = (head.option_context_projection(contexts) + head.option_lexical_projection(lexicals)
                    + head.option_question_projection(question_vectors)[index.option_questions])  # [N, W]

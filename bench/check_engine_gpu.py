@@ -8,6 +8,8 @@ On new requests (text of 90 to 3,000 tokens, image, audio, video), the answers o
 - the engine, each record alone (padded to its bucket, replayed from the bucket's CUDA graph where it has one);
 - the engine, all records in one packed forward (a graph, images and videos included).
 
+All of them score with the batched joint head, which the load checked against the decision module's own head.
+
 Gates (exit status 1 when one fails): engine alone vs transformers' decoder and the batch vs each record alone, at
 most twice the floor plus 0.005; the same request and the same batch bit-identical run after run.
 
@@ -100,6 +102,10 @@ def main() -> int:
     checks["input embeddings on the host, lookups equal the table's rows"] = (
         isinstance(embedding, serve_clef.HostEmbedding)
         and torch.equal(embedding(token_ids), embedding.weight.to("cuda")[token_ids])
+    )
+    checks["joint head batched (checked at load), output embeddings on the host"] = (
+        isinstance(loaded.model.head, serve_clef.BatchedJointSchemaHead)
+        and isinstance(loaded.model.output_embeddings, serve_clef.HostEmbedding)
     )
     for name, passed in checks.items():
         print(f"{name} (gate {gate:.4f}): {passed}")
