@@ -2120,7 +2120,8 @@ class BatchedJointSchemaHead(torch.nn.Module):
         output_embedding_weight: torch.Tensor,
     ) -> list[list[torch.Tensor]]:
         # hidden_states [B, L, H] (the thinker's, after its final norm), input_ids and attention_mask [B, L]
-        # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n]
+        # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n].
+        # input_ids is taken for the release head's signature: the option tokens' ids come from the records.
         head = self.head
         batch, length, _ = hidden_states.shape
         host_index = joint_head_index(records, length)
