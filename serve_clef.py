@@ -1868,7 +1868,8 @@ class PackedTextDecoder(torch.nn.Module):
             static_positions[:, 0, total:].zero_()
             static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
             if self.deepstack_tokens:  # an earlier batch's features, perhaps past this bucket: back to zeros
-                self.static_buffers[3][:, :, :self.deepstack_tokens].zero_()
+                _, _, _, all_deepstack, _ = self.static_buffers  # [D, 1, Lmax, H], not just this bucket's view
+                all_deepstack[:, :, :self.deepstack_tokens].zero_()
             self.deepstack_tokens = 0
             if visual_features is not None:
                 static_deepstack[:, 0, :total][:, packed_visual] = visual_features
