@@ -295,14 +295,17 @@ def replay_nvfp4_input_rounding(linear: torch.nn.Module, input_scale: torch.Tens
 # slots (a multiple of the row tile), R rows of a tile, N output columns of a tile, C the reduced (K-loop) dimension.
 #
 # Numerics. A weight is e2m1 * block_scale, exact in BF16 (at most 6 significant bits), so the tensor cores see the
-# checkpoint's values exactly; the per-expert global scale multiplies the fp32 accumulator once. Outputs are rounded
-# to BF16 where transformers' grouped_mm path rounds them (gate and up, SiLU, their product, the down projection, the
-# routing product) and the top-k sum runs in fp32 in a fixed order, so answers are deterministic.
+# checkpoint's values exactly (decoded times 2**-8, to stay finite in BF16 on the way); the per-expert global scale
+# times 2**8 multiplies the fp32 accumulator once. Outputs are rounded to BF16 where transformers' grouped_mm path
+# rounds them (gate and up, SiLU, their product, the down projection, the routing product) and the top-k sum runs in
+# fp32 in a fixed order, so answers are deterministic.
 #
 # Triton 3.9's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) truncates fp32 -> bf16 and rounds
 # fp32 -> e4m3 differently from the GPU, and computes bf16 dots wrongly. So the kernels round to BF16 and to e4m3
 # with plain integer and float arithmetic (round to nearest even, the same on both), and on CPU tensors feed the dots
-# fp32 operands (the same exact products the tensor cores form from BF16).
+# fp32 operands (the same exact products the tensor cores form from BF16). The interpreter cannot run PTX either, so
+# the weights' decode has two forms that give the same bits: a few PTX instructions per eight weights on the GPU,
+# and plain arithmetic on one weight at a time in the interpreter (INTERPRETED).
 
 
 @triton.jit
@@ -323,8 +326,9 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _e2m1_times_block_scale(codes, block_scales_x2p14):
-    """E2M1 codes (0..15) times their block scale (fp32, pre-multiplied by 2**14): the weights, exactly, in BF16.
+def _e2m1_times_block_scale(codes, block_scales_x2p6):
+    """E2M1 codes (0..15) times their block scale (fp32, pre-multiplied by 2**6), times 2**-8: the weights, exactly,
+    in BF16, by plain arithmetic (Triton's interpreter).
 
     The 3 magnitude bits go to fp16's exponent and mantissa and the sign bit to fp16's sign, which reads as
     e2m1 * 2**-14 (0.5 lands on an fp16 subnormal, converted exactly); no table, no branches.
@@ -332,7 +336,46 @@ def _e2m1_times_block_scale(codes, block_scales_x2p14):
     codes = codes.to(tl.uint16)
     fp16_bits = ((codes & 7) << 9) | ((codes & 8) << 12)
     e2m1_x2m14 = fp16_bits.to(tl.float16, bitcast=True).to(tl.float32)
-    return (e2m1_x2m14 * block_scales_x2p14).to(tl.bfloat16)  # exact: no rounding happens here
+    return (e2m1_x2m14 * block_scales_x2p6).to(tl.bfloat16)  # exact: no rounding happens here
+
+
+# The same decode on the GPU, on four code bytes (eight weights) per 32-bit register: the bytes are spread to the two
+# halves of a register, and each nibble's 3 magnitude bits go to BF16's lowest exponent bits and top mantissa bit and
+# its sign bit to BF16's sign, which reads as e2m1 * 2**-126 (0.5 lands on a BF16 subnormal, multiplied exactly).
+# One fused multiply-add per two weights by the block scale times 2**118 (the most that keeps 448 * 2**k finite in
+# BF16) leaves e2m1 * block_scale * 2**-8. $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3, $2 $3: the
+# high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
+BLOCK_SCALE_TO_DECODE = tl.constexpr(2.0 ** 118)
+DECODE_E2M1_PTX = tl.constexpr("""{
+.reg .b32 spread, magnitude, sign, negative_zero;
+mov.b32 negative_zero, 0x80008000;
+prmt.b32 spread, $4, 0, 0x4140;
+shl.b32 magnitude, spread, 6; and.b32 magnitude, magnitude, 0x01C001C0;
+shl.b32 sign, spread, 12; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
+fma.rn.bf16x2 $0, magnitude, $5, negative_zero;
+shl.b32 magnitude, spread, 2; and.b32 magnitude, magnitude, 0x01C001C0;
+shl.b32 sign, spread, 8; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
+fma.rn.bf16x2 $2, magnitude, $5, negative_zero;
+prmt.b32 spread, $4, 0, 0x4342;
+shl.b32 magnitude, spread, 6; and.b32 magnitude, magnitude, 0x01C001C0;
+shl.b32 sign, spread, 12; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
+fma.rn.bf16x2 $1, magnitude, $6, negative_zero;
+shl.b32 magnitude, spread, 2; and.b32 magnitude, magnitude, 0x01C001C0;
+shl.b32 sign, spread, 8; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
+fma.rn.bf16x2 $3, magnitude, $6, negative_zero;
+}""")
+
+
+@triton.jit
+def _decode_packed_weights(codes, block_scales, INTERPRETED: tl.constexpr):
+    """Packed codes uint8 [N, C/2] and each byte's block scale (fp32 [N, C/2]) -> the weights of the low nibbles (even
+    columns) and of the high nibbles (odd columns), BF16 [N, C/2] each, as e2m1 * block_scale * 2**-8, exactly."""
+    if INTERPRETED:
+        block_scales = block_scales * 64.0
+        return _e2m1_times_block_scale(codes & 0xF, block_scales), _e2m1_times_block_scale(codes >> 4, block_scales)
+    block_scales = (block_scales * BLOCK_SCALE_TO_DECODE).to(tl.bfloat16)  # exact
+    return tl.inline_asm_elementwise(DECODE_E2M1_PTX, "=r,=r,=r,=r,r,r,r", [codes, block_scales],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -404,11 +447,12 @@ def round_activations_to_nvfp4(
 
 
 @triton.jit
-def _packed_partial_product(
-    a, codes_ptr, block_scales_ptr, weight_rows, reduced_size, c0, FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+def _accumulate_packed_product(
+    accumulator, a, codes_ptr, block_scales_ptr, weight_rows, reduced_size, c0, INTERPRETED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """a [R, BLOCK_C] (BF16) times the packed weight rows `weight_rows` [N] over columns c0..c0+BLOCK_C, in fp32.
+    """accumulator [R, N] (fp32) plus a [R, BLOCK_C] (BF16) times the packed weight rows `weight_rows` [N] over
+    columns c0..c0+BLOCK_C, with the weights' block scales but not their global scale, times 2**-8.
 
     The even and odd columns are multiplied apart, because the low and high nibbles of a byte hold them: the codes
     are never interleaved back into order (a sum does not care about the order of its terms).
@@ -418,17 +462,17 @@ def _packed_partial_product(
     # [N, C/2]
     codes = tl.load(codes_ptr + weight_rows[:, None] * (reduced_size // 2) + c0 // 2 + half_columns[None, :])
     block_scales = tl.load(block_scales_ptr + weight_rows[:, None] * (reduced_size // 16) + c0 // 16 + blocks[None, :])
-    block_scales = block_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # [N, C/16]
+    block_scales = block_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [N, C/16]
     # one scale per 8 bytes (16 values, 8 of them even, 8 odd)
     block_scales = tl.reshape(tl.broadcast_to(block_scales[:, :, None], (BLOCK_N, BLOCK_C // 16, 8)),
                               (BLOCK_N, BLOCK_C // 2))
-    weights_even = _e2m1_times_block_scale(codes & 0xF, block_scales)  # [N, C/2]
-    weights_odd = _e2m1_times_block_scale(codes >> 4, block_scales)
+    weights_even, weights_odd = _decode_packed_weights(codes, block_scales, INTERPRETED)  # [N, C/2] each
     a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_C // 2, 2)))  # [R, C/2] each
-    if FP32_DOT:
+    if INTERPRETED:
         a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
         weights_even, weights_odd = weights_even.to(tl.float32), weights_odd.to(tl.float32)
-    return tl.dot(a_even, tl.trans(weights_even)) + tl.dot(a_odd, tl.trans(weights_odd))
+    accumulator = tl.dot(a_even, tl.trans(weights_even), accumulator)
+    return tl.dot(a_odd, tl.trans(weights_odd), accumulator)
 
 
 @triton.jit
@@ -443,7 +487,7 @@ def nvfp4_gate_up_kernel(
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot, rounded to NVFP4 under SIMULATE_FP4
     num_experts, hidden, width,
     pairs_per_row,  # K when hidden_states has a row per token, 1 when it has a row per pair
-    SIMULATE_FP4: tl.constexpr, FP32_DOT: tl.constexpr,
+    SIMULATE_FP4: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     tile, column_block = tl.program_id(0), tl.program_id(1)
@@ -460,12 +504,13 @@ def nvfp4_gate_up_kernel(
     for c0 in range(0, hidden, BLOCK_C):
         a = tl.load(hidden_states_ptr + tokens[:, None] * hidden + c0 + tl.arange(0, BLOCK_C)[None, :],
                     mask=(pairs >= 0)[:, None], other=0.0)  # [R, C]
-        gate += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows, hidden, c0, FP32_DOT,
-                                        BLOCK_N, BLOCK_C)
-        up += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0, FP32_DOT,
-                                      BLOCK_N, BLOCK_C)
-    gate = _round_to_bf16(gate * tl.load(global_scale_ptr + 2 * expert)).to(tl.float32)
-    up = _round_to_bf16(up * tl.load(global_scale_ptr + 2 * expert + 1)).to(tl.float32)
+        gate = _accumulate_packed_product(gate, a, packed_codes_ptr, block_scales_ptr, gate_rows, hidden, c0,
+                                          INTERPRETED, BLOCK_N, BLOCK_C)
+        up = _accumulate_packed_product(up, a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0,
+                                        INTERPRETED, BLOCK_N, BLOCK_C)
+    # the global scales, and 2**8 back from the decode (exact)
+    gate = _round_to_bf16(gate * (tl.load(global_scale_ptr + 2 * expert) * 256.0)).to(tl.float32)
+    up = _round_to_bf16(up * (tl.load(global_scale_ptr + 2 * expert + 1) * 256.0)).to(tl.float32)
     activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
     intermediate = _round_to_bf16(activated * up)  # [R, N]
     if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
@@ -484,7 +529,7 @@ def nvfp4_down_kernel(
     global_scale_ptr,  # fp32 [E]
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
-    FP32_DOT: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     tile, column_block = tl.program_id(0), tl.program_id(1)
@@ -499,9 +544,9 @@ def nvfp4_down_kernel(
     out = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     for c0 in range(0, width, BLOCK_C):
         a = tl.load(intermediate_ptr + slots[:, None] * width + c0 + tl.arange(0, BLOCK_C)[None, :])  # [R, C]
-        out += _packed_partial_product(a, packed_codes_ptr, block_scales_ptr, weight_rows, width, c0, FP32_DOT,
-                                       BLOCK_N, BLOCK_C)
-    out = _round_to_bf16(out * tl.load(global_scale_ptr + expert)).to(tl.float32)
+        out = _accumulate_packed_product(out, a, packed_codes_ptr, block_scales_ptr, weight_rows, width, c0,
+                                         INTERPRETED, BLOCK_N, BLOCK_C)
+    out = _round_to_bf16(out * (tl.load(global_scale_ptr + expert) * 256.0)).to(tl.float32)  # as in gate_up
     routing_weights = tl.load(routing_weights_ptr + pair_rows).to(tl.float32)  # [R]
     tl.store(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :],
              _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
@@ -636,12 +681,12 @@ class ExpertTiles:
 
 
 # By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
-# tile is padding. The fastest of 28 candidates per token count on an H200 (bench/check_expert_kernels.py,
-# docs/benchmarks.md).
+# tile is padding. The fastest of 24 candidates at 64, 512, 2,048 and 8,192 tokens on an H200, swept again once the
+# decode got cheaper (docs/benchmarks.md); where a row ends between those counts is a judgement, not a measurement.
 EXPERT_TILES = (
     (8, ExpertTiles(16, 64, 128, 4, 3)),
     (24, ExpertTiles(32, 128, 64, 4, 3)),
-    (192, ExpertTiles(64, 64, 128, 4, 3)),
+    (64, ExpertTiles(64, 128, 64, 4, 3)),
     (None, ExpertTiles(128, 64, 64, 4, 3)),
 )
 
@@ -832,7 +877,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
         common = dict(
-            FP32_DOT=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
+            INTERPRETED=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
         gate_up_input, pairs_per_row = hidden_states, top_k
