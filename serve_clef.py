@@ -1763,8 +1763,6 @@ def load_clef(
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
         # the device), so the output embeddings can live on the host too
         clef_model.output_embeddings = HostEmbedding(clef_model.output_embeddings)
-    if device.type == "cuda" and isinstance(clef_model.head, BatchedJointSchemaHead):
-        compile_batched_head(clef_model, schema, processor, progress)
     load_s = time.perf_counter() - start
     progress(f"Clef model ready ({kind}) in {load_s:.1f} s")
     return LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, load_s, notice)
@@ -2170,24 +2168,10 @@ class BatchedJointSchemaHead(torch.nn.Module):
         # hidden_states [B, L, H] (the thinker's, after its final norm), input_ids and attention_mask [B, L]
         # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n].
         # input_ids is taken for the release head's signature: the option tokens' ids come from the records.
+        head = self.head
         batch, length, _ = hidden_states.shape
         host_index = joint_head_index(records, length)
         index = host_index.to(hidden_states.device)
-        # the output embeddings may be on the host (install_batched_head): gather there, copy just the rows
-        on_device = output_embedding_weight.device == hidden_states.device
-        option_token_ids = (index if on_device else host_index).option_token_ids  # [To]
-        option_rows = output_embedding_weight[option_token_ids].to(hidden_states.device, non_blocking=True)  # [To, H]
-        logits = self.option_logits(hidden_states, attention_mask, index, option_rows)  # [N]
-        per_question = iter(logits.split([len(question.option_spans) for record in records
-                                          for question in record.questions]))
-        return [[next(per_question) for _ in record.questions] for record in records]
-
-    def option_logits(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, index: JointHeadIndex,
-                      option_rows: torch.Tensor) -> torch.Tensor:
-        """The head's maths on device tensors alone: hidden_states [B, L, H], attention_mask [B, L], the batch's
-        index on the device and its option tokens' output-embedding rows [To, H] -> every option's logit [N]."""
-        head = self.head
-        batch, length, _ = hidden_states.shape
         questions, options = index.question_types.shape[0], index.option_questions.shape[0]
 
         normalized = head.hidden_norm(hidden_states).flatten(0, 1)  # [B*L, H]
@@ -2196,6 +2180,10 @@ class BatchedJointSchemaHead(torch.nn.Module):
         last_tokens = normalized[index.last_token_rows]  # [B, H]
         question_vectors, contexts = span_means(normalized[index.span_token_rows], index.span_offsets).split(
             [questions, options])  # [Q, H], [N, H]
+        # the output embeddings may be on the host (install_batched_head): gather there, copy just the rows
+        on_device = output_embedding_weight.device == hidden_states.device
+        option_token_ids = (index if on_device else host_index).option_token_ids  # [To]
+        option_rows = output_embedding_weight[option_token_ids].to(hidden_states.device, non_blocking=True)  # [To, H]
         lexicals = span_means(option_rows, index.option_offsets)  # [N, H]
 
         queries = (head.option_context_projection(contexts) + head.option_lexical_projection(lexicals)
@@ -2239,7 +2227,10 @@ class BatchedJointSchemaHead(torch.nn.Module):
         residuals = head.residual_scorer(pairs).squeeze(-1)  # [N]
         logits = priors + torch.sigmoid(head.residual_gate) * (
             capped_logit_scale(head.joint_logit_scale) * cosines + residuals)  # [N]
-        return logits
+
+        per_question = iter(logits.split([len(question.option_spans) for record in records
+                                          for question in record.questions]))
+        return [[next(per_question) for _ in record.questions] for record in records]
 
 
 def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, processor: Any,
@@ -2288,29 +2279,6 @@ def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, proce
     progress(f"joint head: batched (its logits on the load's check batch are the release head's to within "
              f"{difference:.3g})")
 
-
-def compile_batched_head(model: torch.nn.Module, schema: types.ModuleType, processor: Any,
-                         progress: Callable[[str], None]) -> None:
-    """torch.compile the batched head's maths (`option_logits`) for batches of any size, at load.
-
-    Run op by op, the head is about 1,300 PyTorch operations, a few hundred kernel launches: some 8-10 ms of host
-    time per forward on an H200 for under 1 ms of GPU work. Compiled with dynamic shapes, one graph serves every
-    length and count, except that torch.compile specialises sizes of 1: one record or several, one question per record
-    or several. The four warm-up batches below compile those four graphs now; after them, a batch that would need
-    another compile runs the head eagerly instead, so that no request waits seconds for a compile."""
-    start = time.perf_counter()
-    model.head.option_logits = torch.compile(model.head.option_logits, dynamic=True,
-                                             options={"emulate_precision_casts": True})  # as compile_layers
-    short, long = (schema.encode_record(processor.tokenizer, request)
-                   for request in (WARM_UP_REQUEST, HEAD_CHECK_REQUEST))
-    device = next(model.parameters()).device
-    for records in ([short], [long], [short, long], [short, short]):
-        batch = schema.collate_records(records, processor.tokenizer.pad_token_id, device)
-        with torch.inference_mode():
-            model._forward_unpadded(batch)
-    torch.compiler.set_stance("eager_on_recompile")
-    progress(f"joint head compiled (torch.compile) for one or several records and questions in "
-             f"{time.perf_counter() - start:.1f} s")
 
 def batch_compatible(encoded_records: list) -> bool:
     """Whether records can share one forward: the thinker takes one use_audio_in_video flag per batch, so videos

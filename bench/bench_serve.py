@@ -143,8 +143,8 @@ def milliseconds(run, repeats: int) -> list[float]:
 
 def swap_text_decoder(loaded, graphed: bool) -> None:
     """Put the engine's PackedTextDecoder in place (graphed) or transformers' own decoder it wraps, with its own
-    attention and its layers and joint head run eagerly, not compiled (not graphed): the path before the engine."""
-    torch.compiler.set_stance("eager_on_recompile" if graphed else "force_eager")  # graphed: as load_clef leaves it
+    attention and its layers run eagerly, not compiled (not graphed): the path before the engine."""
+    torch.compiler.set_stance("default" if graphed else "force_eager")
     thinker = loaded.model.thinker
     for name, module in list(thinker.named_modules()):
         if isinstance(module, serve_clef.PackedTextDecoder) or type(module).__name__ == "Qwen3OmniMoeThinkerTextModel":
