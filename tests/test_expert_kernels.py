@@ -2,7 +2,9 @@
 
 References, none of them the kernels: the step-by-step NVFP4 formulas of test_nvfp4.py, the unpack + grouped_mm path
 (itself checked against transformers' eager experts there), transformers' eager experts module, and a plain Python
-routing. Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per token, S pairs, P slots.
+routing. The weights' decode that only the GPU runs (PTX, which the interpreter cannot) is checked by carrying out its
+instructions on Python integers, as PTX specifies them, against E2M1's table.
+Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per token, S pairs, P slots.
 """
 
 import pytest
@@ -26,6 +28,65 @@ def test_kernel_rounding_equals_the_formula_bit_for_bit():
         expected = reference_fake_quant(x, input_scale).to(torch.bfloat16)
         assert torch.equal(rounded.view(torch.int16), expected.view(torch.int16))
 
+
+
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # by code
+
+
+def bf16_pair(register: int) -> tuple[float, float]:
+    """A 32-bit register read as two BF16 values: (low half, high half)."""
+    halves = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16)
+    return tuple(halves.view(torch.bfloat16).double().tolist())
+
+
+def run_decode_ptx(codes: int, scales: tuple[float, float, float, float]) -> list[int]:
+    """DECODE_E2M1_PTX run on 32-bit integers, by what each PTX instruction it uses is specified to do (the GPU runs
+    the real thing; Triton's interpreter cannot): $0-$3 out, $4 the four code bytes, $5 $6 two BF16 scale pairs."""
+    scale_pairs = [torch.tensor(pair, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+                   for pair in (scales[:2], scales[2:])]
+    registers = {"$4": codes, "$5": int(scale_pairs[0][0] | scale_pairs[0][1] << 16),
+                 "$6": int(scale_pairs[1][0] | scale_pairs[1][1] << 16)}
+    value = lambda operand: registers[operand] if operand in registers else int(operand, 0)  # noqa: E731
+    for statement in serve_clef.DECODE_E2M1_PTX.value.strip("{}\n").split(";"):
+        if not statement.strip() or statement.strip().startswith(".reg"):
+            continue
+        opcode, operands = statement.split(None, 1)
+        target, *sources = [operand.strip() for operand in operands.split(",")]
+        if opcode == "mov.b32":
+            result = value(sources[0])
+        elif opcode == "prmt.b32":  # each result byte i: byte (selector nibble i) of the 8 bytes (a, then b)
+            a, b, selector = (value(source) for source in sources)
+            pool = (a | b << 32).to_bytes(8, "little")
+            result = int.from_bytes(bytes(pool[(selector >> 4 * i) & 7] for i in range(4)), "little")
+            assert all((selector >> 4 * i) & 8 == 0 for i in range(4))  # no sign replication used
+        elif opcode in ("shl.b32", "and.b32", "or.b32"):
+            a, b = (value(source) for source in sources)
+            result = {"shl.b32": a << b, "and.b32": a & b, "or.b32": a | b}[opcode] & 0xFFFFFFFF
+        elif opcode == "fma.rn.bf16x2":  # per half, a * b + c rounded to BF16 (the products here are exact)
+            a, b, c = (bf16_pair(value(source)) for source in sources)
+            products = torch.tensor([x * y + z for x, y, z in zip(a, b, c)], dtype=torch.float64)
+            halves = products.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+            result = int(halves[0] | halves[1] << 16)
+        else:
+            raise AssertionError(f"an instruction this test does not know: {statement}")
+        registers[target] = result
+    return [registers[f"${k}"] for k in range(4)]
+
+
+def test_the_gpu_decode_gives_every_code_times_its_block_scale():
+    """Every byte value, with e4m3 block scales from the subnormal 2**-9 to 448: the low nibble (even column) and the
+    high nibble (odd column) each come out as e2m1 * block_scale * 2**-8, read off E2M1's table."""
+    block_scales = [2.0**-9, 0.0234375, 1.0, 1.125, 3.5, 100.0, 240.0, 448.0]  # e4m3 values
+    for first_byte in range(0, 256, 4):
+        code_bytes = [first_byte, first_byte + 1, first_byte + 2, first_byte + 3]
+        scales = [block_scales[(first_byte // 4 + k) % len(block_scales)] for k in range(4)]
+        even_01, even_23, odd_01, odd_23 = run_decode_ptx(
+            int.from_bytes(bytes(code_bytes), "little"), tuple(scale * 2.0**118 for scale in scales))
+        even = bf16_pair(even_01) + bf16_pair(even_23)
+        odd = bf16_pair(odd_01) + bf16_pair(odd_23)
+        for k, byte in enumerate(code_bytes):
+            assert even[k] == E2M1_VALUES[byte & 0xF] * scales[k] * 2.0**-8, (byte, scales[k])
+            assert odd[k] == E2M1_VALUES[byte >> 4] * scales[k] * 2.0**-8, (byte, scales[k])
 
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
