@@ -339,31 +339,28 @@ def _e2m1_times_block_scale(codes, block_scales_x2p6):
     return (e2m1_x2m14 * block_scales_x2p6).to(tl.bfloat16)  # exact: no rounding happens here
 
 
-# The same decode on the GPU, on four code bytes (eight weights) per 32-bit register: the bytes are spread to the two
-# halves of a register, and each nibble's 3 magnitude bits go to BF16's lowest exponent bits and top mantissa bit and
-# its sign bit to BF16's sign, which reads as e2m1 * 2**-126 (0.5 lands on a BF16 subnormal, multiplied exactly).
-# One fused multiply-add per two weights by the block scale times 2**118 (the most that keeps 448 * 2**k finite in
-# BF16) leaves e2m1 * block_scale * 2**-8. $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3, $2 $3: the
-# high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
+# The same decode on the GPU, on four code bytes (eight weights) per 32-bit register: two bytes at a time are spread to
+# the two halves of a register, and each nibble's 3 magnitude bits go to BF16's lowest exponent bits and top mantissa
+# bit and its sign bit to BF16's sign, which reads as e2m1 * 2**-126 (0.5 lands on a BF16 subnormal, multiplied
+# exactly). One fused multiply-add per two weights by the block scale times 2**118 (the most that keeps 448 * 2**k
+# finite in BF16) leaves e2m1 * block_scale * 2**-8. $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3, $2 $3:
+# the high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
 BLOCK_SCALE_TO_DECODE = tl.constexpr(2.0 ** 118)
-DECODE_E2M1_PTX = tl.constexpr("""{
-.reg .b32 spread, magnitude, sign, negative_zero;
-mov.b32 negative_zero, 0x80008000;
-prmt.b32 spread, $4, 0, 0x4140;
-shl.b32 magnitude, spread, 6; and.b32 magnitude, magnitude, 0x01C001C0;
-shl.b32 sign, spread, 12; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
-fma.rn.bf16x2 $0, magnitude, $5, negative_zero;
-shl.b32 magnitude, spread, 2; and.b32 magnitude, magnitude, 0x01C001C0;
-shl.b32 sign, spread, 8; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
-fma.rn.bf16x2 $2, magnitude, $5, negative_zero;
-prmt.b32 spread, $4, 0, 0x4342;
-shl.b32 magnitude, spread, 6; and.b32 magnitude, magnitude, 0x01C001C0;
-shl.b32 sign, spread, 12; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
-fma.rn.bf16x2 $1, magnitude, $6, negative_zero;
-shl.b32 magnitude, spread, 2; and.b32 magnitude, magnitude, 0x01C001C0;
-shl.b32 sign, spread, 8; and.b32 sign, sign, 0x80008000; or.b32 magnitude, magnitude, sign;
-fma.rn.bf16x2 $3, magnitude, $6, negative_zero;
-}""")
+
+
+def decode_e2m1_ptx() -> str:
+    lines = [".reg .b32 spread, magnitude, sign, negative_zero;", "mov.b32 negative_zero, 0x80008000;"]
+    for selector, scales, outputs in (("0x4140", "$5", ("$0", "$2")), ("0x4342", "$6", ("$1", "$3"))):
+        lines.append(f"prmt.b32 spread, $4, 0, {selector};")  # bytes 0, 1 (or 2, 3) to bits 0-7 and 16-23
+        for output, shift in zip(outputs, (6, 2)):  # the low nibble's bits 0-3, then the high nibble's 4-7
+            lines += [f"shl.b32 magnitude, spread, {shift}; and.b32 magnitude, magnitude, 0x01C001C0;",
+                      f"shl.b32 sign, spread, {shift + 6}; and.b32 sign, sign, 0x80008000;",
+                      "or.b32 magnitude, magnitude, sign;",
+                      f"fma.rn.bf16x2 {output}, magnitude, {scales}, negative_zero;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+DECODE_E2M1_PTX = tl.constexpr(decode_e2m1_ptx())
 
 
 @triton.jit
