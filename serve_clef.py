@@ -345,7 +345,9 @@ def _e2m1_times_block_scale(codes, block_scales_x2p6):
 # exactly). One fused multiply-add per two weights by the block scale times 2**118 (the most that keeps 448 * 2**k
 # finite in BF16) leaves e2m1 * block_scale * 2**-8. $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3, $2 $3:
 # the high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
-BLOCK_SCALE_TO_DECODE = tl.constexpr(2.0 ** 118)
+# Both decodes give e2m1 * block_scale / DECODED_WEIGHT_DIVISOR; the kernels' epilogues multiply it back.
+DECODED_WEIGHT_DIVISOR = tl.constexpr(2.0 ** 8)
+BLOCK_SCALE_TO_DECODE = tl.constexpr(2.0 ** 126 / DECODED_WEIGHT_DIVISOR)  # the PTX's e2m1 reads as e2m1 * 2**-126
 
 
 def decode_e2m1_ptx() -> str:
@@ -368,7 +370,7 @@ def _decode_packed_weights(codes, block_scales, INTERPRETED: tl.constexpr):
     """Packed codes uint8 [N, C/2] and each byte's block scale (fp32 [N, C/2]) -> the weights of the low nibbles (even
     columns) and of the high nibbles (odd columns), BF16 [N, C/2] each, as e2m1 * block_scale * 2**-8, exactly."""
     if INTERPRETED:
-        block_scales = block_scales * 64.0
+        block_scales = block_scales * (2.0 ** 14 / DECODED_WEIGHT_DIVISOR)  # its e2m1 reads as e2m1 * 2**-14
         return _e2m1_times_block_scale(codes & 0xF, block_scales), _e2m1_times_block_scale(codes >> 4, block_scales)
     block_scales = (block_scales * BLOCK_SCALE_TO_DECODE).to(tl.bfloat16)  # exact
     return tl.inline_asm_elementwise(DECODE_E2M1_PTX, "=r,=r,=r,=r,r,r,r", [codes, block_scales],
@@ -505,9 +507,9 @@ def nvfp4_gate_up_kernel(
                                           INTERPRETED, BLOCK_N, BLOCK_C)
         up = _accumulate_packed_product(up, a, packed_codes_ptr, block_scales_ptr, gate_rows + width, hidden, c0,
                                         INTERPRETED, BLOCK_N, BLOCK_C)
-    # the global scales, and 2**8 back from the decode (exact)
-    gate = _round_to_bf16(gate * (tl.load(global_scale_ptr + 2 * expert) * 256.0)).to(tl.float32)
-    up = _round_to_bf16(up * (tl.load(global_scale_ptr + 2 * expert + 1) * 256.0)).to(tl.float32)
+    # the global scales, and DECODED_WEIGHT_DIVISOR back from the decode (a power of two: exact)
+    gate = _round_to_bf16(gate * (tl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(tl.float32)
+    up = _round_to_bf16(up * (tl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(tl.float32)
     activated = _round_to_bf16(gate / (1.0 + tl.exp(-gate))).to(tl.float32)  # SiLU, as torch rounds it
     intermediate = _round_to_bf16(activated * up)  # [R, N]
     if SIMULATE_FP4:  # the down projection's input, rounded once here rather than in every down program
@@ -543,7 +545,7 @@ def nvfp4_down_kernel(
         a = tl.load(intermediate_ptr + slots[:, None] * width + c0 + tl.arange(0, BLOCK_C)[None, :])  # [R, C]
         out = _accumulate_packed_product(out, a, packed_codes_ptr, block_scales_ptr, weight_rows, width, c0,
                                          INTERPRETED, BLOCK_N, BLOCK_C)
-    out = _round_to_bf16(out * (tl.load(global_scale_ptr + expert) * 256.0)).to(tl.float32)  # as in gate_up
+    out = _round_to_bf16(out * (tl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(tl.float32)
     routing_weights = tl.load(routing_weights_ptr + pair_rows).to(tl.float32)  # [R]
     tl.store(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :],
              _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
