@@ -1842,6 +1842,25 @@ def add_dense_deepstack_features(hidden_states: torch.Tensor, visual_pos_masks: 
     return hidden_states + dense_features
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting: on CUDA from pinned memory. A copy from pageable memory
+    first waits for all the work queued on the device, so one inside a forward would hold the host until the GPU
+    catches up, instead of letting it queue the next kernels while the GPU runs the last (the joint head's ~1,300
+    launches behind the decoder's graph)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows of a host table [V, D] (row_ids int64 [N], on the host) on `device` -> [N, D]. Gathered straight into
+    pinned memory on CUDA (one copy fewer than host_to_device; 5 ms of an 8k-token forward on an H200 when it was a
+    pageable copy); torch's pinned-memory cache keeps the block until the copy to the device has run."""
+    rows = torch.empty(row_ids.numel(), table.shape[1], dtype=table.dtype, pin_memory=device.type == "cuda")
+    torch.index_select(table, 0, row_ids, out=rows)  # [N, D]
+    return rows.to(device, non_blocking=True)
+
+
 class PackedTextDecoder(torch.nn.Module):
     """Stands in for the thinker's text decoder (transformers' Qwen3OmniMoeThinkerTextModel), with its forward
     signature: takes the thinker's right-padded batch [B, L], runs the real tokens packed (padded to the next bucket,
@@ -1882,15 +1901,19 @@ class PackedTextDecoder(torch.nn.Module):
         batch, length, hidden = inputs_embeds.shape
         if attention_mask is None:
             attention_mask = torch.ones(batch, length, dtype=torch.bool, device=inputs_embeds.device)
-        real = attention_mask.bool()  # [B, L]
-        record_lengths = real.sum(-1).tolist()  # one host read per forward, before any graph
+        record_lengths = attention_mask.sum(-1).tolist()  # one host read per forward, before any graph
         if batch > MAX_RECORDS_PER_FORWARD:
             raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
-        packed_embeds = inputs_embeds[real]  # [T, H], record after record
-        packed_positions = position_ids[:, real]  # [P, T]
+        # the real tokens' rows of [B*L], record after record: an index made on the host, because a boolean mask
+        # makes torch read the number of rows back from the device, which after the graph would keep the host from
+        # queueing the joint head while the decoder runs
+        real_rows = host_to_device(torch.from_numpy(np.concatenate(
+            [np.arange(length * b, length * b + n) for b, n in enumerate(record_lengths)])), inputs_embeds.device)
+        packed_embeds = inputs_embeds.flatten(0, 1)[real_rows]  # [T, H]
+        packed_positions = position_ids.flatten(1, 2)[:, real_rows]  # [P, T]
         # [D, V, H]: the features of the V visual tokens, in the packed order (padding is never visual)
         visual_features = None if deepstack_visual_embeds is None else torch.stack(deepstack_visual_embeds)
-        packed_visual = None if visual_features is None else visual_pos_masks[real]  # [T]
+        packed_visual = None if visual_features is None else visual_pos_masks.flatten()[real_rows]  # [T]
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
         # boundaries: the records, then the padding as one more record, then empty records up to the graphs' count
@@ -1924,7 +1947,7 @@ class PackedTextDecoder(torch.nn.Module):
                 static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack)
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
-        hidden_states[real] = packed_hidden
+        hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -2005,12 +2028,7 @@ class HostEmbedding(torch.nn.Module):
         self.weight = embedding.weight.detach().cpu()  # [V, H]; a plain attribute: .to() leaves it here
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, L] -> [B, L, H]
-        token_ids = input_ids.cpu().reshape(-1)  # [B * L]
-        # gathered into pinned memory, so the copy to the device is a DMA, not a staged pageable copy (5 ms of 8k
-        # tokens' forward on an H200); torch's pinned-memory cache keeps the block until that copy has run
-        rows = torch.empty(token_ids.numel(), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=True)
-        torch.index_select(self.weight, 0, token_ids, out=rows)  # [B * L, H]
-        return rows.to(self.device, non_blocking=True).view(*input_ids.shape, -1)
+        return host_rows_to_device(self.weight, input_ids.cpu().reshape(-1), self.device).view(*input_ids.shape, -1)
 
 
 def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
@@ -2077,12 +2095,8 @@ class JointHeadIndex(NamedTuple):
     question_slots: torch.Tensor  # [Q] each question's row in record_questions flattened
 
     def to(self, device: torch.device) -> "JointHeadIndex":
-        """The same index on `device`, in one host-to-device copy, from pinned memory on CUDA so that the copy waits
-        for neither the host nor the device's queued work."""
-        packed = torch.cat([part.flatten() for part in self])
-        if device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
+        """The same index on `device`, in one copy (host_to_device)."""
+        packed = host_to_device(torch.cat([part.flatten() for part in self]), device)
         parts = packed.split([part.numel() for part in self])
         return JointHeadIndex(*(part.view(like.shape) for part, like in zip(parts, self)))
 
@@ -2180,9 +2194,11 @@ class BatchedJointSchemaHead(torch.nn.Module):
         question_vectors, contexts = span_means(normalized[index.span_token_rows], index.span_offsets).split(
             [questions, options])  # [Q, H], [N, H]
         # the output embeddings may be on the host (install_batched_head): gather there, copy just the rows
-        on_device = output_embedding_weight.device == hidden_states.device
-        option_token_ids = (index if on_device else host_index).option_token_ids  # [To]
-        option_rows = output_embedding_weight[option_token_ids].to(hidden_states.device, non_blocking=True)  # [To, H]
+        if output_embedding_weight.device == hidden_states.device:
+            option_rows = output_embedding_weight[index.option_token_ids]  # [To, H]
+        else:
+            option_rows = host_rows_to_device(output_embedding_weight, host_index.option_token_ids,
+                                              hidden_states.device)  # [To, H]
         lexicals = span_means(option_rows, index.option_offsets)  # [N, H]
 
         queries = (head.option_context_projection(contexts) + head.option_lexical_projection(lexicals)

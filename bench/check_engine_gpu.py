@@ -52,10 +52,12 @@ def main() -> int:
                "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
                "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
     torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
-    first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length),
+    first_stages = {}
+    first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length, first_stages),
                                  text_request(tokenizer, 505, 999))
     results["first_decision_after_load_ms"] = round(first_ms, 1)  # a new length, before any other decision
-    print(f"first decision after load (505 tokens): {first_ms:.1f} ms")
+    results["first_decision_stages_ms"] = {stage: round(seconds * 1000, 2) for stage, seconds in first_stages.items()}
+    print(f"first decision after load (505 tokens): {first_ms:.1f} ms, stages {results['first_decision_stages_ms']}")
 
     def alone(requests):
         return [serve_clef.decide(loaded, request, args.max_length)["answers"] for request in requests]
