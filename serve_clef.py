@@ -1797,35 +1797,43 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256),
                    *range(4608, 8192 + 1, 512))  # tokens
 MAX_RECORDS_PER_FORWARD = 32  # the graphs' fixed number of record boundaries (flash attention's batch)
-PACKED_ATTENTION = "serve_clef_packed_records"  # the text decoder's attention implementation, registered below
+# The attention implementation of the text decoder and of the vision and audio towers, registered below. transformers
+# hands an implementation whose name contains "flash" the boundaries of the sequences packed in a tower's input (each
+# image, frame or audio window), so a tower layer's attention is one call; under any other name each sequence is a
+# call of its own, after a host read of their lengths in every layer.
+PACKED_ATTENTION = "serve_clef_flash_varlen"
 
 
 def packed_records_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *,
-    cu_seq_lens_q: torch.Tensor, max_length_q: int, **kwargs: Any,
+    cu_seq_lens_q: torch.Tensor, max_length_q: int, is_causal: bool = True, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each record of a packed sequence, transformers' attention-function signature.
+    """Attention within each record of a packed sequence, causal (the text decoder) or not (the towers, which pass
+    is_causal=False), transformers' attention-function signature.
 
-    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv), cu_seq_lens_q int32
+    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv), cu_seq_lens_q
     [B + 1] the records' boundaries in T (repeated boundaries are empty records), max_length_q the longest record or
     more -> [1, T, Hq, D]. On CUDA: flash attention's varlen kernel, which takes the grouped heads as they are and
     builds no plan per length (aten's op, as torch.nn.attention.varlen calls it: that wrapper's signature differs
     across torch 2.10-2.12 and 2.9 lacks it). Elsewhere: the same attention spelled out as SDPA with a block-diagonal
-    causal mask (how CPU tests check the packing).
+    mask (how CPU tests check the packing).
     """
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+        boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
         attention = torch.ops.aten._flash_attention_forward(
-            packed_query, packed_key, packed_value, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, 0.0,
-            True, False, scale=scaling,
+            packed_query, packed_key, packed_value, boundaries, boundaries, max_length_q, max_length_q, 0.0,
+            is_causal, False, scale=scaling,
         )[0]  # [T, Hq, D]
         return attention[None], None
     positions = torch.arange(query.shape[2], device=query.device)  # [T]
     record_of_token = torch.searchsorted(cu_seq_lens_q[1:].long(), positions, right=True)  # [T]
-    same_record_and_past = (record_of_token[:, None] == record_of_token[None, :]) & (positions[:, None] >= positions)
+    allowed = record_of_token[:, None] == record_of_token[None, :]  # [T, T]
+    if is_causal:
+        allowed &= positions[:, None] >= positions
     attention = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=same_record_and_past, scale=scaling, enable_gqa=True
+        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
     )  # [1, Hq, T, D]
     return attention.transpose(1, 2), None
 
@@ -2033,13 +2041,16 @@ class HostEmbedding(torch.nn.Module):
 
 def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
     """Put a PackedTextDecoder in place of the thinker's text decoder (found by class, as transformers versions nest
-    it differently) and return it."""
+    it differently), give the vision and audio towers the packed attention too, and return the decoder."""
     name = next(name for name, module in thinker.named_modules()
                 if type(module).__name__ == "Qwen3OmniMoeThinkerTextModel")
     parent_name, _, attribute = name.rpartition(".")
     parent = thinker.get_submodule(parent_name) if parent_name else thinker
     packed = PackedTextDecoder(getattr(parent, attribute), len(thinker.config.vision_config.deepstack_visual_indexes))
     setattr(parent, attribute, packed)
+    for module in thinker.modules():
+        if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder"):
+            module.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
     return packed
 
 

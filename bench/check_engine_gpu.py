@@ -6,12 +6,15 @@ On new requests (text of 90 to 3,000 tokens, image, audio, video), the answers o
 - transformers' own text decoder, eager, with cuDNN attention and without it: the two differ only in the attention
   kernel, and that difference is the BF16 noise floor of this random model;
 - the engine, each record alone (padded to its bucket, replayed from the bucket's CUDA graph where it has one);
-- the engine, all records in one packed forward (a graph, images and videos included).
+- the engine, all records in one packed forward (a graph, images and videos included);
+- the engine, each record alone, with the vision and audio towers' attention put back to transformers' SDPA (a call
+  per image, frame or audio window) instead of the packed attention.
 
 All of them score with the batched joint head, which the load checked against the decision module's own head.
 
-Gates (exit status 1 when one fails): engine alone vs transformers' decoder and the batch vs each record alone, at
-most twice the floor plus 0.005; the same request and the same batch bit-identical run after run.
+Gates (exit status 1 when one fails): engine alone vs transformers' decoder, the batch vs each record alone and the
+towers' two attentions, at most twice the floor plus 0.005; the same request and the same batch bit-identical run
+after run.
 
 Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json when OUT is set)
 """
@@ -74,6 +77,13 @@ def main() -> int:
     engine_alone, engine_alone_again = alone(requests), alone(requests)
     engine_batch, engine_batch_again = batched(requests), batched(requests)
     text_batch = batched(text_only)  # no deepstack: the packed batch replays a graph
+    towers = [module for module in loaded.model.thinker.modules()
+              if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
+    for tower in towers:  # transformers' own: SDPA, a call per image, frame or audio window
+        tower.config._attn_implementation = "sdpa"
+    towers_own_attention = alone(requests)
+    for tower in towers:
+        tower.config._attn_implementation = serve_clef.PACKED_ATTENTION
     swap_text_decoder(loaded, graphed=False)
     stock = alone(requests)
     torch.backends.cuda.enable_cudnn_sdp(True)
@@ -89,6 +99,8 @@ def main() -> int:
         "engine batch of 7 (graph, media in it) vs engine alone": largest_difference(engine_batch, engine_alone),
         "engine batch of 4 texts (graph) vs engine alone": largest_difference(text_batch, engine_alone[:4]),
         "engine batch of 7 vs transformers' decoder": largest_difference(engine_batch, stock),
+        "engine alone, towers' packed attention vs their own SDPA": largest_difference(engine_alone,
+                                                                                    towers_own_attention),
     }
     for name, value in differences.items():
         print(f"max |dp|, {name}: {value:.4f}")
@@ -96,6 +108,8 @@ def main() -> int:
         "engine alone within the gate": differences["engine alone (graphs) vs transformers' decoder"] <= gate,
         "batch of 7 within the gate": differences["engine batch of 7 (graph, media in it) vs engine alone"] <= gate,
         "batch of 4 within the gate": differences["engine batch of 4 texts (graph) vs engine alone"] <= gate,
+        "towers' packed attention within the gate":
+            differences["engine alone, towers' packed attention vs their own SDPA"] <= gate,
         "alone bit-identical run after run": engine_alone == engine_alone_again,
         "batch bit-identical run after run": engine_batch == engine_batch_again,
     }

@@ -4,9 +4,11 @@ For one ~516-token record, for 16 records of ~500 tokens in one forward, and for
 each, `score_records` is timed as a whole and split into its stages, each synchronised: collating the batch, the
 thinker around its text decoder (embedding, the vision and audio towers, rotary indices, merging), the text decoder
 (a CUDA graph replay), and the joint head. The whole forward is also timed as served (no stage synchronised: the host
-queues the joint head while the device runs the decoder) and with the host waiting for the decoder before it queues
-the head, as it did before the head's copies came from pinned memory. torch.profiler then gives the GPU's
-busy time, the kernels launched and the host's busiest operators.
+queues the joint head while the device runs the decoder), and, as baselines in the same run, as it ran before two
+changes: with the host waiting for the decoder before it queues the head (before the head's copies came from pinned
+memory), and with the towers' attention as transformers runs it under SDPA (a call per image, frame or audio window,
+after a host read of their lengths). torch.profiler then gives the GPU's busy time, the kernels launched and the
+host's busiest operators.
 
 Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
 """
@@ -62,11 +64,18 @@ def stage_milliseconds(loaded, encoded_records: list, repeats: int = 5) -> dict:
     return stages
 
 
-def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head: bool, repeats: int = 5) -> float:
+def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head: bool = False,
+                                towers_attention: str = serve_clef.PACKED_ATTENTION, repeats: int = 5) -> float:
     """Median wall time of `score_records` as a request runs it (no stage synchronised), in ms. wait_before_head:
     the host first waits for the device to finish the decoder before it queues the joint head, as it did until the
-    head's copy of its option rows came from pinned memory (a pageable copy waits for the device's queued work)."""
+    head's copy of its option rows came from pinned memory (a pageable copy waits for the device's queued work).
+    towers_attention: the vision and audio towers' attention implementation ("sdpa": transformers' call per image or
+    audio window, as before they took the packed attention)."""
     head = loaded.model.head
+    towers = [module for module in loaded.model.thinker.modules()
+              if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
+    for tower in towers:
+        tower.config._attn_implementation = towers_attention
 
     def forward_after_waiting(*args, **kwargs):
         torch.cuda.synchronize()
@@ -84,6 +93,8 @@ def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head:
     finally:
         if wait_before_head:
             del head.forward  # back to the class's method
+        for tower in towers:
+            tower.config._attn_implementation = serve_clef.PACKED_ATTENTION
     return round(sorted(times)[repeats // 2], 2)
 
 
@@ -123,9 +134,11 @@ def main() -> int:
     for name, records in cases.items():
         tokens = sum(len(record.input_ids) for record in records)
         stages = stage_milliseconds(loaded, records)
-        stages["whole, as served"] = unsynchronised_milliseconds(loaded, records, wait_before_head=False)
+        stages["whole, as served"] = unsynchronised_milliseconds(loaded, records)
         stages["whole, the head queued after the decoder ran"] = unsynchronised_milliseconds(
             loaded, records, wait_before_head=True)
+        stages["whole, the towers' attention a call per image or window"] = unsynchronised_milliseconds(
+            loaded, records, towers_attention="sdpa")
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
         results[name] = {"tokens": tokens, "stages_ms": stages, **profile}
         print(f"{name} ({tokens} tokens): stages {stages}")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import serve_clef
+import synthetic_release
 
 REQUESTS = [
     {"model": "clef-omni", "state": "short", "questions": {"ok": {"type": "noul"}}},
@@ -62,7 +63,15 @@ def stock_loaded():
             setattr(loaded.model.get_submodule(parent_name), attribute, module.decoder)
             module.decoder.config._attn_implementation = "sdpa"
             del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
+    for tower in towers(loaded):
+        tower.config._attn_implementation = "sdpa"
     return loaded
+
+
+def towers(loaded) -> list[torch.nn.Module]:
+    """The thinker's vision and audio encoders."""
+    return [module for module in loaded.model.thinker.modules()
+            if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +108,19 @@ def test_packed_attention_is_causal_attention_within_each_record():
         start += length
 
 
+def test_packed_attention_without_causality_is_attention_within_each_record():
+    """The towers' call (is_causal=False): each record attends to all of its own tokens and to no other's."""
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = torch.randn(3, 1, 2, 11, 8, generator=generator)
+    boundaries = torch.tensor([0, 4, 11], dtype=torch.int32)
+    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.5, cu_seq_lens_q=boundaries,
+                                                    max_length_q=7, is_causal=False)
+    for start, end in ((0, 4), (4, 11)):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], scale=0.5)  # [1, 2, n, 8]
+        torch.testing.assert_close(packed[0, start:end], alone[0].transpose(0, 1))
+
+
 def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
     """The thinker's final hidden states [B, L, H] of a batch, collated and run as the decision module runs it."""
     batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")
@@ -133,6 +155,49 @@ def test_a_mixed_batch_runs_as_each_record_alone(loaded, stock_loaded, mixed_req
         assert largest_difference(answers, reference["answers"]) <= ANSWER_NOISE
     again = serve_clef.score_records(loaded, encoded)
     assert all(torch.equal(a, b) for first, second in zip(batch_logits, again) for a, b in zip(first, second))
+
+
+def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_bytes):
+    """The towers run the packed attention: one call per layer for all of a record's images (or audio windows), not
+    causal, with each image's (window's) own boundaries, which the test above holds to attention within each. Their
+    own SDPA path (a call per image or window) gives the same hidden states to BF16 noise, for a record with two
+    images of different sizes and two sounds of different lengths."""
+    assert [tower.config._attn_implementation for tower in towers(loaded)] == [serve_clef.PACKED_ATTENTION] * 2
+    request = {**REQUESTS[0], "images": [data_url("image/png", png_bytes),
+                                         data_url("image/png", synthetic_release.synthetic_png(48, 80))],
+               "audio": [data_url("audio/wav", wav_bytes), data_url("audio/wav", synthetic_release.synthetic_wav(2.5))]}
+    record = serve_clef.prepare(loaded, request, 4096).encoded
+    tower_calls = []  # (attention module's class, is_causal, boundaries) of each call from a tower
+
+    def recording_attention(module, *args, **kwargs):
+        if "Vision" in type(module).__name__ or "Audio" in type(module).__name__:
+            tower_calls.append((type(module).__name__, kwargs["is_causal"], kwargs["cu_seq_lens_q"].tolist()))
+        return serve_clef.packed_records_attention(module, *args, **kwargs)
+
+    serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION, recording_attention)
+    try:
+        packed = thinker_hidden_states(loaded, [record])[0]  # [T, H]
+    finally:
+        serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION,
+                                                            serve_clef.packed_records_attention)
+    vision, audio = sorted(towers(loaded), key=lambda tower: "Audio" in type(tower).__name__)
+    vision_calls = [call for call in tower_calls if "Vision" in call[0]]
+    audio_calls = [call for call in tower_calls if "Audio" in call[0]]
+    assert len(vision_calls) == vision.config.depth and len(audio_calls) == audio.config.encoder_layers
+    assert all(not causal for _, causal, _ in tower_calls)
+    image_lengths = {tuple(b - a for a, b in zip(boundaries, boundaries[1:])) for _, _, boundaries in vision_calls}
+    assert len(image_lengths) == 1 and len(*image_lengths) == 2 and len(set(*image_lengths)) == 2  # two sizes
+    assert all(len(boundaries) >= 3 for _, _, boundaries in audio_calls)  # two sounds at least
+    try:
+        for tower in towers(loaded):
+            tower.config._attn_implementation = "sdpa"
+        own = thinker_hidden_states(loaded, [record])[0]
+    finally:
+        for tower in towers(loaded):
+            tower.config._attn_implementation = serve_clef.PACKED_ATTENTION
+    token_error = (packed.float() - own.float()).abs().amax(-1)  # [T]
+    beyond_noise = (token_error > HIDDEN_NOISE * own.float().abs().max()).float().mean().item()
+    assert beyond_noise <= MOST_TOKENS_SWITCHING_EXPERT, f"{beyond_noise:.0%} of tokens differ"
 
 
 def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
