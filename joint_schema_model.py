@@ -19,6 +19,7 @@ import base64
 import contextlib
 import inspect
 import io
+import itertools
 import json
 import math
 import re
@@ -99,10 +100,6 @@ def question_options(question: dict) -> list[tuple[str, Any]]:
     return [(str(level), description) for level, description in enumerate(criteria)]
 
 
-def _tokens(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def encode_record(
     tokenizer,
     record: dict,
@@ -113,40 +110,46 @@ def encode_record(
     """Token ids of one record and the spans of its questions and options.
 
     Every prompt piece is tokenised on its own and the id lists are concatenated, exactly as the model was trained:
-    tokenising the joined text would let BPE merges cross piece boundaries. Only the end of the state is ever cut.
+    tokenising the joined text would let BPE merges cross piece boundaries. The pieces go to the tokenizer as one
+    batch (each item still tokenised alone; one call instead of ~50 saves milliseconds of host time per record).
+    Only the end of the state is ever cut.
     """
-    prefix_ids = _tokens(tokenizer, _PROMPT_PREFIX)
     media_ids, media = _encode_media(processor, record)
-    state_ids = _tokens(tokenizer, render(record["state"]))
-
-    # Spans are collected relative to the start of the schema, then shifted once the state length is known.
-    schema_ids = _tokens(tokenizer, "\n\nSCHEMA FIELDS:\n")
-    schema_questions = []
+    # pieces[0] the prefix, [1] the state, [2:-1] the schema, [-1] the suffix; spans are piece numbers until tokenised
+    pieces = [_PROMPT_PREFIX, render(record["state"]), "\n\nSCHEMA FIELDS:\n"]
+    schema_pieces = []
     for k, (question_id, question) in enumerate(record["questions"].items(), start=1):
-        schema_ids += _tokens(tokenizer, f"\nFIELD {k}\nID: {question_id}\nTYPE: {question['type']}\nINSTRUCTION: ")
+        pieces.append(f"\nFIELD {k}\nID: {question_id}\nTYPE: {question['type']}\nINSTRUCTION: ")
         instructions = question.get("instructions")
         if instructions is None or instructions == "":
             instructions = question_id
-        question_start = len(schema_ids)
-        schema_ids += _tokens(tokenizer, render(instructions))
-        question_span = (question_start, len(schema_ids))
-        schema_ids += _tokens(tokenizer, "\nALLOWED OPTIONS:\n")
-        option_spans, option_ids = [], []
+        question_piece = len(pieces)
+        pieces += [render(instructions), "\nALLOWED OPTIONS:\n"]
+        option_pieces, option_ids = [], []
         for j, (option_id, description) in enumerate(question_options(question), start=1):
-            schema_ids += _tokens(tokenizer, f"OPTION {j}: ")
             semantics = {"option_id": option_id}
             if description is not None:
                 semantics["description"] = description
-            option_start = len(schema_ids)
-            schema_ids += _tokens(tokenizer, render(semantics))
-            option_spans.append((option_start, len(schema_ids)))
+            option_pieces.append(len(pieces) + 1)
+            pieces += [f"OPTION {j}: ", render(semantics), "\n"]
             option_ids.append(option_id)
-            schema_ids += _tokens(tokenizer, "\n")
-        schema_ids += _tokens(tokenizer, "END FIELD\n")
-        schema_questions.append(
-            (str(question_id), QUESTION_TYPES[question["type"]], question_span, option_spans, option_ids)
-        )
-    suffix_ids = _tokens(tokenizer, _PROMPT_SUFFIX)
+        pieces.append("END FIELD\n")
+        schema_pieces.append((str(question_id), QUESTION_TYPES[question["type"]], question_piece, option_pieces,
+                              option_ids))
+    pieces.append(_PROMPT_SUFFIX)
+    piece_ids = tokenizer(pieces, add_special_tokens=False).input_ids
+    prefix_ids, state_ids, suffix_ids = piece_ids[0], piece_ids[1], piece_ids[-1]
+    schema_ids = [token for ids in piece_ids[2:-1] for token in ids]
+    # where each piece starts in schema_ids (piece 2 at 0), and its span [start, end)
+    piece_starts = list(itertools.accumulate((len(ids) for ids in piece_ids[2:-1]), initial=0))
+
+    def piece_span(piece: int) -> tuple[int, int]:
+        return (piece_starts[piece - 2], piece_starts[piece - 1])
+
+    schema_questions = [
+        (question_id, question_type, piece_span(question_piece), [piece_span(p) for p in option_pieces], option_ids)
+        for question_id, question_type, question_piece, option_pieces, option_ids in schema_pieces
+    ]
 
     if max_state_tokens is not None:
         state_ids = state_ids[:max_state_tokens]
