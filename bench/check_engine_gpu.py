@@ -48,7 +48,8 @@ def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
 
 def main() -> int:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
-    loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
+    loaded = serve_clef.load_from_args(
+        args, progress=lambda line: print(f"    [{torch.cuda.memory_allocated() / 2**30:.2f} GiB]", line, flush=True))
     tokenizer = loaded.processor.tokenizer
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "transformers": serve_clef.transformers.__version__, "load_s": round(loaded.load_s, 1),
@@ -130,9 +131,11 @@ def main() -> int:
     decide = lambda request: serve_clef.decide(loaded, request, args.max_length)  # noqa: E731
     # The baseline first, in the same process: transformers' own decoder op by op, with cuDNN attention as before the
     # engine; then the engine. Each set is new requests of new lengths, each timed once.
+    peaks = {"the comparisons and the path before the engine": torch.cuda.max_memory_allocated()}
     for engine in (False, True):
         swap_text_decoder(loaded, graphed=engine)
         torch.backends.cuda.enable_cudnn_sdp(not engine)
+        torch.cuda.reset_peak_memory_stats()  # the engine's own peak, apart from the op-by-op path's
         name = "engine" if engine else "before the engine (op by op, cuDNN attention)"
         for target, first_seed in ((512, 20 + 100 * engine), (2048, 40 + 100 * engine)):
             new_requests = [text_request(tokenizer, target + 7 * i, first_seed + i)
@@ -143,12 +146,19 @@ def main() -> int:
             results[f"text_{target}_repeat_ms, {name}"] = round(statistics.median(repeats), 1)
             print(f"~{target} tokens, new lengths, {name}: median {statistics.median(times):.1f} ms "
                   f"({', '.join(f'{t:.0f}' for t in times)}); the first again: {statistics.median(repeats):.1f} ms")
+    peaks["engine, text of 512 and 2,048 tokens"] = torch.cuda.max_memory_allocated()
     for name, request in media_requests().items():
+        torch.cuda.reset_peak_memory_stats()
         times = [timed_decision(decide, request)[0] for _ in range(3)]
+        peaks[name] = torch.cuda.max_memory_allocated()
         results[f"{name}_ms"] = round(statistics.median(times), 1)
         print(f"{name}: median of 3 {statistics.median(times):.1f} ms")
+    results["serving_peak_by_request_gib"] = {name: round(peak / 2**30, 2) for name, peak in peaks.items()}
+    print(f"serving peaks: {results['serving_peak_by_request_gib']}")
 
-    results["serving_peak_alone_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    results["serving_peak_alone_gib"] = round(max(peak for name, peak in peaks.items() if "before" not in name)
+                                              / 2**30, 2)
+    torch.cuda.reset_peak_memory_stats()
     profile = profile_decision(decide, text_request(tokenizer, 516, 4242), PROFILED_KERNELS_REPORTED)
     results["profile_516"] = profile
     print(f"516 tokens: GPU busy {profile['profile_gpu_busy_ms']} ms, {profile['profile_kernel_launches']} launches")
@@ -179,9 +189,10 @@ def main() -> int:
     print(f"16 records ({tokens} tokens): GPU busy {profile['profile_gpu_busy_ms']} ms")
     for kernel in profile["profile_top_kernels"]:
         print("   ", kernel)
-    results["serving_peak_batches_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    print(f"GPU memory after load {results['after_load_gib']} GiB; serving peak: records alone "
-          f"{results['serving_peak_alone_gib']} GiB, with the batches {results['serving_peak_batches_gib']} GiB")
+    results["serving_peak_batches_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)  # profile, batches
+    print(f"GPU memory after load {results['after_load_gib']} GiB; serving peak: the engine's records alone "
+          f"{results['serving_peak_alone_gib']} GiB, its batches of 1-16 records "
+          f"{results['serving_peak_batches_gib']} GiB")
     passed = all(checks.values())
     print("ok" if passed else "FAILED")
     if os.environ.get("OUT"):
