@@ -2048,10 +2048,15 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
     parent = thinker.get_submodule(parent_name) if parent_name else thinker
     packed = PackedTextDecoder(getattr(parent, attribute), len(thinker.config.vision_config.deepstack_visual_indexes))
     setattr(parent, attribute, packed)
-    for module in thinker.modules():
-        if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder"):
-            module.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
+    for tower in thinker_towers(thinker):
+        tower.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
     return packed
+
+
+def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:
+    """The thinker's vision and audio encoders (found by class, as transformers versions nest them differently)."""
+    return [module for module in thinker.modules()
+            if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
 
 
 # ---- the joint head, batched -----------------------------------------------------------------------------------------

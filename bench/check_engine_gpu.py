@@ -78,8 +78,7 @@ def main() -> int:
     engine_alone, engine_alone_again = alone(requests), alone(requests)
     engine_batch, engine_batch_again = batched(requests), batched(requests)
     text_batch = batched(text_only)  # no deepstack: the packed batch replays a graph
-    towers = [module for module in loaded.model.thinker.modules()
-              if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
+    towers = serve_clef.thinker_towers(loaded.model.thinker)
     for tower in towers:  # transformers' own: SDPA, a call per image, frame or audio window
         tower.config._attn_implementation = "sdpa"
     towers_own_attention = alone(requests)

@@ -72,8 +72,7 @@ def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head:
     towers_attention: the vision and audio towers' attention implementation ("sdpa": transformers' call per image or
     audio window, as before they took the packed attention)."""
     head = loaded.model.head
-    towers = [module for module in loaded.model.thinker.modules()
-              if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
+    towers = serve_clef.thinker_towers(loaded.model.thinker)
     for tower in towers:
         tower.config._attn_implementation = towers_attention
 

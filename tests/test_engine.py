@@ -63,15 +63,9 @@ def stock_loaded():
             setattr(loaded.model.get_submodule(parent_name), attribute, module.decoder)
             module.decoder.config._attn_implementation = "sdpa"
             del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
-    for tower in towers(loaded):
+    for tower in serve_clef.thinker_towers(loaded.model.thinker):
         tower.config._attn_implementation = "sdpa"
     return loaded
-
-
-def towers(loaded) -> list[torch.nn.Module]:
-    """The thinker's vision and audio encoders."""
-    return [module for module in loaded.model.thinker.modules()
-            if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +156,8 @@ def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_by
     causal, with each image's (window's) own boundaries, which the test above holds to attention within each. Their
     own SDPA path (a call per image or window) gives the same hidden states to BF16 noise, for a record with two
     images of different sizes and two sounds of different lengths."""
-    assert [tower.config._attn_implementation for tower in towers(loaded)] == [serve_clef.PACKED_ATTENTION] * 2
+    towers = serve_clef.thinker_towers(loaded.model.thinker)
+    assert [tower.config._attn_implementation for tower in towers] == [serve_clef.PACKED_ATTENTION] * 2
     request = {**REQUESTS[0], "images": [data_url("image/png", png_bytes),
                                          data_url("image/png", synthetic_release.synthetic_png(48, 80))],
                "audio": [data_url("audio/wav", wav_bytes), data_url("audio/wav", synthetic_release.synthetic_wav(2.5))]}
@@ -180,7 +175,7 @@ def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_by
     finally:
         serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION,
                                                             serve_clef.packed_records_attention)
-    vision, audio = sorted(towers(loaded), key=lambda tower: "Audio" in type(tower).__name__)
+    vision, audio = sorted(towers, key=lambda tower: "Audio" in type(tower).__name__)
     vision_calls = [call for call in tower_calls if "Vision" in call[0]]
     audio_calls = [call for call in tower_calls if "Audio" in call[0]]
     assert len(vision_calls) == vision.config.depth and len(audio_calls) == audio.config.encoder_layers
@@ -189,11 +184,11 @@ def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_by
     assert len(image_lengths) == 1 and len(*image_lengths) == 2 and len(set(*image_lengths)) == 2  # two sizes
     assert all(len(boundaries) >= 3 for _, _, boundaries in audio_calls)  # two sounds at least
     try:
-        for tower in towers(loaded):
+        for tower in towers:
             tower.config._attn_implementation = "sdpa"
         own = thinker_hidden_states(loaded, [record])[0]
     finally:
-        for tower in towers(loaded):
+        for tower in towers:
             tower.config._attn_implementation = serve_clef.PACKED_ATTENTION
     token_error = (packed.float() - own.float()).abs().amax(-1)  # [T]
     beyond_noise = (token_error > HIDDEN_NOISE * own.float().abs().max()).float().mean().item()
