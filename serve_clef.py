@@ -529,10 +529,11 @@ def nvfp4_down_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
     INTERPRETED: tl.constexpr,
+    ROUTED_ROWS: tl.constexpr,  # the routing's rows per tile, a multiple of BLOCK_R
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     tile, column_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_experts_ptr + tile)
+    expert = tl.load(tile_experts_ptr + tile // (ROUTED_ROWS // BLOCK_R))  # the routed tile this one lies in
     if expert >= num_experts:
         return
     slots = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -669,24 +670,30 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
 
 @dataclass(frozen=True)
 class ExpertTiles:
-    """Tile sizes of both packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
-    per step, and Triton's warps and pipeline stages (the tile sweep gave both kernels the same sizes)."""
+    """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
+    per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
+    down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
+    routed tile, so within one expert); None: the same as gate_up's."""
 
     rows: int
     columns: int
     reduced: int
     num_warps: int
     num_stages: int
+    down_rows: int | None = None
+    down_columns: int | None = None
 
 
 # By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
 # tile is padding. The fastest of 24 candidates at 64, 512, 2,048 and 8,192 tokens on an H200, swept again once the
 # decode got cheaper (docs/benchmarks.md); where a row ends between those counts is a judgement, not a measurement.
+# Timed per kernel at 8,192 tokens, the down kernel took 0.868 ms with 64 x 128 tiles against 1.048 ms with
+# gate_up's 128 x 64, which stays gate_up's fastest (1.465 ms).
 EXPERT_TILES = (
     (8, ExpertTiles(16, 64, 128, 4, 3)),
     (24, ExpertTiles(32, 128, 64, 4, 3)),
     (64, ExpertTiles(64, 128, 64, 4, 3)),
-    (None, ExpertTiles(128, 64, 64, 4, 3)),
+    (None, ExpertTiles(128, 64, 64, 4, 3, down_rows=64, down_columns=128)),
 )
 
 
@@ -875,10 +882,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         tiles = expert_tiles(top_k_index.numel(), self.num_experts)
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
-        common = dict(
-            INTERPRETED=not hidden_states.is_cuda, BLOCK_R=tiles.rows, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
+        common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         gate_up_input, pairs_per_row = hidden_states, top_k
         if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
             gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1])  # [T, H]
@@ -891,16 +895,17 @@ class PackedNVFP4Experts(torch.nn.Module):
             gate_up_input.contiguous(), slot_pairs, tile_experts,
             self.gate_up_packed_codes, self.gate_up_block_scales.view(torch.uint8), self.gate_up_global_scale,
             self.down_input_scale, 1, intermediate, self.num_experts, self.hidden, self.width, pairs_per_row,
-            SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_N=gate_up_columns,
+            SIMULATE_FP4=self.simulate_fp4_activations, BLOCK_R=tiles.rows, BLOCK_N=gate_up_columns,
             BLOCK_C=fitted_block(tiles.reduced, self.hidden), **common,
         )
-        down_columns = fitted_block(tiles.columns, self.hidden)
+        down_rows = tiles.down_rows or tiles.rows
+        down_columns = fitted_block(tiles.down_columns or tiles.columns, self.hidden)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        nvfp4_down_kernel[(num_tiles, self.hidden // down_columns)](
+        nvfp4_down_kernel[(num_tiles * tiles.rows // down_rows, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_packed_codes, self.down_block_scales.view(torch.uint8), self.down_global_scale,
-            pair_outputs, self.num_experts, self.hidden, self.width,
-            BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.reduced, self.width), **common,
+            pair_outputs, self.num_experts, self.hidden, self.width, ROUTED_ROWS=tiles.rows,
+            BLOCK_R=down_rows, BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.reduced, self.width), **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 

@@ -131,6 +131,21 @@ def test_kernels_equal_the_unpack_path_bit_for_bit_when_weights_are_exact(num_to
     assert torch.equal(experts.forward_packed(*inputs), reference)
 
 
+@pytest.mark.parametrize("tiles", [tiles for _, tiles in serve_clef.EXPERT_TILES], ids=str)
+@torch.no_grad()
+def test_every_served_tile_shape_gives_the_unpack_paths_bits(tiles, monkeypatch):
+    """Each row of EXPERT_TILES, served for every token count, on a routing where one expert gets more pairs than a
+    tile has rows: its pairs span several routed tiles, and where the down kernel's tiles are smaller than the routed
+    ones, each routed tile is split between several of them."""
+    monkeypatch.setattr(serve_clef, "EXPERT_TILES", ((None, tiles),))
+    experts = tiny_packed_experts(power_of_two_global_scales=True)
+    hidden_states, top_k_index, top_k_weights = routed(150, seed=7)
+    top_k_index[:, 0] = 4  # expert 4: at least 150 pairs
+    reference = experts.forward_unpacked(hidden_states, top_k_index, top_k_weights)
+    assert reference.abs().mean() > 1e-4  # not a comparison of zeros
+    assert torch.equal(experts.forward_packed(hidden_states, top_k_index, top_k_weights), reference)
+
+
 @torch.no_grad()
 def test_kernels_match_transformers_eager_experts_on_any_global_scale():
     experts = tiny_packed_experts(power_of_two_global_scales=False, seed=1)
