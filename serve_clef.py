@@ -2010,10 +2010,13 @@ class PackedTextDecoder(torch.nn.Module):
             return
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # One stream for every bucket's first run: torch keeps a cuBLAS workspace (32 MiB on Hopper) for each stream
+        # a matmul has run on, for the life of the process, and a new stream per bucket (up to 32 distinct ones,
+        # torch's stream pool) would keep one each.
+        side_stream = torch.cuda.Stream()
         for bucket in sorted(self.buckets, reverse=True):
             *static_inputs, static_hidden = self.static_views(bucket, like)
             static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
-            side_stream = torch.cuda.Stream()
             side_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side_stream):  # a first run outside the graph sets up kernels and workspaces
                 self.run_padded(*static_inputs)
