@@ -33,8 +33,7 @@ KERNELS = {"gate_up": "nvfp4_gate_up_kernel", "down": "nvfp4_down_kernel"}
 
 
 def kernel_milliseconds(layer, inputs, repeats: int = 10) -> dict[str, float]:
-    """Each kernel's device time per forward (all its launches: the down kernel may run over column slices), mean of
-    `repeats` eager forwards."""
+    """Each kernel's device time per forward, mean of `repeats` eager forwards."""
     layer.forward_packed(*inputs)  # compiled before it is timed
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
