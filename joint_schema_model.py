@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -683,19 +684,16 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
 
 
 def load_processor(path):
-    """The release's `Qwen3OmniMoeProcessor`: `AutoProcessor.from_pretrained(path)` wherever that works.
+    """The release's `Qwen3OmniMoeProcessor`: `AutoProcessor.from_pretrained(path)` where torchvision is installed.
 
     Without torchvision (the CPU machines) transformers cannot build Qwen3-Omni's video processor, so the processor is
     assembled from the release's own files instead (`load_frame_processor`).
     """
     from transformers import AutoProcessor
 
-    try:
-        return AutoProcessor.from_pretrained(path)
-    except ImportError as error:
-        if "torchvision" not in str(error).lower():
-            raise
-    return load_frame_processor(path)
+    if importlib.util.find_spec("torchvision") is None:
+        return load_frame_processor(path)
+    return AutoProcessor.from_pretrained(path)
 
 
 def load_frame_processor(path):

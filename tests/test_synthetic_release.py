@@ -213,6 +213,22 @@ def processor(tiny_release):
     return jsm.load_processor(tiny_release)
 
 
+def test_the_processor_comes_from_transformers_where_torchvision_is_installed(tiny_release, monkeypatch):
+    """AutoProcessor where torchvision can be imported (the GPU image); the frame processor where it cannot."""
+    import importlib.util
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda path: ("AutoProcessor", path))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
+        object() if name == "torchvision" else find_spec(name, *rest)))
+    assert jsm.load_processor(tiny_release) == ("AutoProcessor", tiny_release)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
+        None if name == "torchvision" else find_spec(name, *rest)))
+    assert type(jsm.load_processor(tiny_release).video_processor).__name__ == "FrameVideoProcessor"
+
+
 def _count(ids, token_id):
     return sum(1 for i in ids if i == token_id)
 
