@@ -19,6 +19,7 @@ Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_ker
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -41,6 +42,15 @@ CANDIDATE_TILES = [
     for warps, stages in ((4, 3), (8, 3))
     if not (rows == 128 and warps == 4)
 ]
+
+
+def other_version(path: Path):
+    """Another serve_clef.py (e.g. `git show REV:serve_clef.py > bench/other_serve_clef.py`), loaded as a module of
+    its own beside this tree's, so that its kernels can be timed in the same run."""
+    spec = importlib.util.spec_from_file_location("other_serve_clef", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_layer(power_of_two_global_scales: bool, seed: int) -> serve_clef.PackedNVFP4Experts:

@@ -9,7 +9,6 @@ Usage: git show REV:serve_clef.py > bench/other_serve_clef.py
        python3 bench/compare_expert_kernels.py bench/other_serve_clef.py   (writes $OUT/compare_expert_kernels.json)
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -27,9 +26,7 @@ EXACT_MEAN_ERROR = 1e-4  # of the mean output, with power-of-two global scales
 
 def main() -> int:
     other_path = Path(sys.argv[1])
-    spec = importlib.util.spec_from_file_location("other_serve_clef", other_path)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
+    other = check_expert_kernels.other_version(other_path)
     versions = {"this tree": serve_clef.PackedNVFP4Experts.forward_packed,
                 other_path.name: other.PackedNVFP4Experts.forward_packed}
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "other": str(other_path),

@@ -11,7 +11,6 @@ Usage: python3 bench/sweep_expert_tiles.py [OTHER_SERVE_CLEF.py]   (writes $OUT/
 set; with a path, sweeps that version's kernels, e.g. `git show REV:serve_clef.py > bench/other_serve_clef.py`)
 """
 
-import importlib.util
 import itertools
 import json
 import os
@@ -46,11 +45,7 @@ def kernel_milliseconds(layer, inputs, repeats: int = 10) -> dict[str, float]:
 
 
 def main() -> int:
-    version = serve_clef
-    if len(sys.argv) > 1:
-        spec = importlib.util.spec_from_file_location("other_serve_clef", sys.argv[1])
-        version = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(version)
+    version = check_expert_kernels.other_version(Path(sys.argv[1])) if len(sys.argv) > 1 else serve_clef
     layer = check_expert_kernels.random_layer(False, seed=3)
     layer.forward_packed = types.MethodType(version.PackedNVFP4Experts.forward_packed, layer)
     served_tables = version.EXPERT_TILES
