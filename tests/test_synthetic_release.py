@@ -221,11 +221,15 @@ def test_the_processor_comes_from_transformers_where_torchvision_is_installed(ti
 
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda path: ("AutoProcessor", path))
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
-        object() if name == "torchvision" else find_spec(name, *rest)))
+
+    def torchvision_installed(installed: bool) -> None:
+        torchvision_spec = object() if installed else None
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
+            torchvision_spec if name == "torchvision" else find_spec(name, *rest)))
+
+    torchvision_installed(True)
     assert jsm.load_processor(tiny_release) == ("AutoProcessor", tiny_release)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
-        None if name == "torchvision" else find_spec(name, *rest)))
+    torchvision_installed(False)
     assert type(jsm.load_processor(tiny_release).video_processor).__name__ == "FrameVideoProcessor"
 
 
