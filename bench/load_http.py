@@ -5,7 +5,8 @@ as users send them) one after another on a keep-alive connection. 16 and 64 clie
 where one client in eight sends its bodies slowly (in pieces, over ~0.3 s) and one in sixteen hangs up before its
 answer. Meanwhile a probe reads /healthz every 50 ms. Reported per level: p50 and p95 latency, requests/s and
 tokens/s of the answered requests, requests lost (sent by a client that waited, not answered 200), the records per
-forward (from /metrics) and the /healthz latency under load.
+forward (from /metrics), the median of each stage the server reports in Server-Timing (queue, decode, encode,
+forward, answer; plain clients only) and the /healthz latency under load.
 
 Usage: python3 bench/load_http.py [SERVER FLAGS...]   (writes $OUT/load_http.json when OUT is set)
 """
@@ -79,6 +80,7 @@ def batch_records(base_url: str) -> tuple[float, float]:
 def run_level(port: int, clients: int, bodies: list[tuple[bytes, int]], mixed: bool) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     latencies, tokens, lost, errors = [], 0, 0, []
+    stages: dict[str, list[float]] = {}  # Server-Timing durations (ms) of the answered requests, per stage
     lock = threading.Lock()
     health_ms, probing = [], threading.Event()
 
@@ -101,8 +103,13 @@ def run_level(port: int, clients: int, bodies: list[tuple[bytes, int]], mixed: b
                 if mixed and index % SLOW_EVERY == 7:
                     status = send_slowly(port, body)
                 else:
-                    status = session.post(f"{base_url}/v1/systemone", data=body, timeout=600,
-                                          headers={"Content-Type": "application/json"}).status_code
+                    response = session.post(f"{base_url}/v1/systemone", data=body, timeout=600,
+                                            headers={"Content-Type": "application/json"})
+                    status = response.status_code
+                    timing = response.headers.get("Server-Timing", "")
+                    with lock:
+                        for stage, duration in re.findall(r"(\w+);dur=([\d.]+)", timing):
+                            stages.setdefault(stage, []).append(float(duration))
             except (OSError, requests.RequestException) as error:
                 status = repr(error)
             with lock:
@@ -131,6 +138,7 @@ def run_level(port: int, clients: int, bodies: list[tuple[bytes, int]], mixed: b
         "p95_ms": round(latencies[int(0.95 * (len(latencies) - 1))], 1),
         "requests_per_s": round(len(latencies) / seconds, 1), "tokens_per_s": round(tokens / seconds),
         "records_per_forward": round((records_after - records_before) / max(1, forwards_after - forwards_before), 2),
+        "stages_p50_ms": {stage: round(statistics.median(values), 1) for stage, values in stages.items()},
         "healthz_p50_ms": round(statistics.median(health_ms), 1), "healthz_max_ms": round(max(health_ms), 1),
     }
 
