@@ -279,26 +279,28 @@ def test_processor_expands_a_video_through_encode_record(processor, mp4_silent_b
         assert _count(ids, processor.audio_token_id) == 0
 
 
-def test_frame_video_processor_lays_out_patches_like_the_image_processor(processor):
-    # An image is processed as `temporal_patch_size` copies of itself, so a video of two equal frames must give the
-    # image processor's patches; sizes already on the 32-pixel grid make both resizes the identity.
-    frame = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+def _image_and_video_patches(processor, frame: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image processor's patches of `frame` and the frame processor's of a video of two copies of it (an image is
+    processed as `temporal_patch_size` copies of itself), both at the 64x96 pixel area."""
     size = {"shortest_edge": 64 * 96, "longest_edge": 64 * 96}
     image = processor.image_processor(images=[frame], size=size, return_tensors="pt")
     video = processor.video_processor(np.stack([frame, frame]), size=size, return_tensors="pt")
     assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist() == [[1, 4, 6]]
-    torch.testing.assert_close(video["pixel_values_videos"], image["pixel_values"], rtol=0, atol=1e-6)
+    return image["pixel_values"], video["pixel_values_videos"]
+
+
+def test_frame_video_processor_lays_out_patches_like_the_image_processor(processor):
+    # A frame already on the 32-pixel grid makes both resizes the identity: the patches must be the same.
+    frame = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    image, video = _image_and_video_patches(processor, frame)
+    torch.testing.assert_close(video, image, rtol=0, atol=1e-6)
 
 
 def test_frame_video_processor_resizes_frames_as_pil_does_within_one_level(processor):
     # Frames are resized as uint8 (torchvision's path for uint8 frames), which stays within one level of PIL's bicubic
     # resize in the image processor; resizing in float, as before, differed by up to 13 levels on these sizes.
-    frame = np.random.default_rng(1).integers(0, 256, (100, 150, 3), dtype=np.uint8)
-    size = {"shortest_edge": 64 * 96, "longest_edge": 64 * 96}  # 100x150 -> 64x96: a real downscale
-    image = processor.image_processor(images=[frame], size=size, return_tensors="pt")
-    video = processor.video_processor(np.stack([frame, frame]), size=size, return_tensors="pt")
-    assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist() == [[1, 4, 6]]
-    one_level = 1 / 255 / min(processor.image_processor.image_std)
-    difference = (video["pixel_values_videos"] - image["pixel_values"]).abs()
-    assert difference.max() <= one_level + 1e-5
+    frame = np.random.default_rng(1).integers(0, 256, (100, 150, 3), dtype=np.uint8)  # -> 64x96: a real downscale
+    image, video = _image_and_video_patches(processor, frame)
+    difference = (video - image).abs()
+    assert difference.max() <= 1 / 255 / min(processor.image_processor.image_std) + 1e-5
     assert (difference > 1e-5).float().mean() < 0.02
