@@ -2069,9 +2069,9 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
     boundaries, computed by transformers' own helpers from a host copy of the grids and handed to it as the
     precomputed inputs transformers accepts. Computed inside the encoder from grids on the device, they read values
     back about a dozen times per video, and each read makes the host wait until the GPU has run everything queued
-    before it, so the encoder's kernels were launched at the host's pace. Here the grids are read once, before any
-    of the encoder's work is queued. N images or frame groups."""
-    grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: frames, height, width in patches
+    before it, so the encoder's kernels go at the host's pace. Here the grids are read once, before any of the
+    encoder's work is queued."""
+    grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: N images or videos, t/h/w patches
     if "cu_seqlens" in kwargs:  # the caller computed them already
         return args, kwargs
     host_grid = grid_thw.cpu()  # [N, 3]
