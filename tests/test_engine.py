@@ -201,7 +201,9 @@ def test_the_vision_encoder_takes_its_positions_from_host_grids(loaded, png_byte
     """The vision encoder's pre-hook computes its interpolation, rotary positions and boundaries from a host copy of
     the grids, and the encoder takes them as given; its outputs are those it computes itself from the grids (its
     forward called without the hook), for two images of different sizes and a video."""
-    modeling = sys.modules[type(next(iter(serve_clef.thinker_towers(loaded.model.thinker)))).__module__]
+    vision = next(tower for tower in serve_clef.thinker_towers(loaded.model.thinker)
+                  if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder")
+    modeling = sys.modules[type(vision).__module__]  # where the encoder's forward looks its helpers up
     given = []  # per helper call inside the encoder: whether its value came precomputed in kwargs
 
     def recording(helper, key):
@@ -217,8 +219,6 @@ def test_the_vision_encoder_takes_its_positions_from_host_grids(loaded, png_byte
                                          data_url("image/png", synthetic_release.synthetic_png(48, 80))],
                "videos": [data_url("video/mp4", mp4_with_audio_bytes)]}
     media = serve_clef.prepare(loaded, request, 4096).encoded.media
-    vision = next(tower for tower in serve_clef.thinker_towers(loaded.model.thinker)
-                  if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder")
     assert len(vision._forward_pre_hooks) == 1
     for pixels, grid in ((media["pixel_values"], media["image_grid_thw"]),
                          (media["pixel_values_videos"], media["video_grid_thw"])):
