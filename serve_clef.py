@@ -187,6 +187,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
+from transformers import vision_utils
 from transformers.integrations.moe import grouped_mm_experts_forward
 from typing_extensions import TypeAliasType
 
@@ -2060,7 +2061,32 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
     setattr(parent, attribute, packed)
     for tower in thinker_towers(thinker):
         tower.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
+        if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder":
+            tower.register_forward_pre_hook(vision_inputs_from_host_grids, with_kwargs=True)
     return packed
+
+
+def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the vision encoder: its position-embedding interpolation, rotary positions and sequence
+    boundaries, computed by transformers' own helpers from a host copy of the grids and handed to it as the
+    precomputed inputs transformers accepts. Computed inside the encoder from grids on the device, they read values
+    back about a dozen times per video, and each read makes the host wait until the GPU has run everything queued
+    before it, so the encoder's kernels go at the host's pace. Here the grids are read once, before any of the
+    encoder's work is queued."""
+    grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: N images or videos, t/h/w patches
+    if "cu_seqlens" in kwargs:  # the caller computed them already
+        return args, kwargs
+    host_grid = grid_thw.cpu()  # [N, 3]
+    interp_indices, interp_weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        host_grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
+    position_ids = vision_utils.get_vision_position_ids(host_grid, tower.spatial_merge_size)
+    cu_seqlens, max_seqlen = vision_utils.get_vision_attention_seqlens(host_grid, tower.config)
+    device = grid_thw.device
+    return args, {**kwargs, "interp_indices": host_to_device(interp_indices, device),
+                  "interp_weights": host_to_device(interp_weights, device),
+                  "position_ids": host_to_device(position_ids, device),
+                  "cu_seqlens": host_to_device(cu_seqlens, device), "max_seqlen": max_seqlen}
 
 
 def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:

@@ -7,6 +7,7 @@ inputs run eagerly, which is what packing and padding themselves change.
 """
 
 import base64
+import sys
 
 import pytest
 import torch
@@ -65,6 +66,7 @@ def stock_loaded():
             del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
     for tower in serve_clef.thinker_towers(loaded.model.thinker):
         tower.config._attn_implementation = "sdpa"
+        tower._forward_pre_hooks.clear()  # the vision encoder computes its positions and boundaries itself
     return loaded
 
 
@@ -193,6 +195,43 @@ def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_by
     token_error = (packed.float() - own.float()).abs().amax(-1)  # [T]
     beyond_noise = (token_error > HIDDEN_NOISE * own.float().abs().max()).float().mean().item()
     assert beyond_noise <= MOST_TOKENS_SWITCHING_EXPERT, f"{beyond_noise:.0%} of tokens differ"
+
+
+def test_the_vision_encoder_takes_its_positions_from_host_grids(loaded, png_bytes, mp4_with_audio_bytes, monkeypatch):
+    """The vision encoder's pre-hook computes its interpolation, rotary positions and boundaries from a host copy of
+    the grids, and the encoder takes them as given; its outputs are those it computes itself from the grids (its
+    forward called without the hook), for two images of different sizes and a video."""
+    vision = next(tower for tower in serve_clef.thinker_towers(loaded.model.thinker)
+                  if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder")
+    modeling = sys.modules[type(vision).__module__]  # where the encoder's forward looks its helpers up
+    given = []  # per helper call inside the encoder: whether its value came precomputed in kwargs
+
+    def recording(helper, key):
+        def call(*args, kwargs=None, **options):
+            given.append(kwargs is not None and key in kwargs)
+            return helper(*args, kwargs=kwargs, **options)
+        return call
+
+    for name, key in (("get_vision_interpolation_indices_and_weights", "interp_indices"),
+                      ("get_vision_position_ids", "position_ids"), ("get_vision_attention_seqlens", "cu_seqlens")):
+        monkeypatch.setattr(modeling, name, recording(getattr(modeling, name), key))
+    request = {**REQUESTS[0], "images": [data_url("image/png", png_bytes),
+                                         data_url("image/png", synthetic_release.synthetic_png(48, 80))],
+               "videos": [data_url("video/mp4", mp4_with_audio_bytes)]}
+    media = serve_clef.prepare(loaded, request, 4096).encoded.media
+    assert len(vision._forward_pre_hooks) == 1
+    for pixels, grid in ((media["pixel_values"], media["image_grid_thw"]),
+                         (media["pixel_values_videos"], media["video_grid_thw"])):
+        pixels = torch.as_tensor(pixels).to(torch.bfloat16)
+        with torch.inference_mode():
+            given.clear()
+            hooked = vision(pixels, grid_thw=torch.as_tensor(grid))
+            assert given == [True] * 3
+            given.clear()
+            own = vision.forward(pixels, grid_thw=torch.as_tensor(grid))  # no hook: computed inside, from the grids
+            assert given == [False] * 3
+        assert torch.equal(hooked.pooler_output, own.pooler_output)
+        assert all(torch.equal(a, b) for a, b in zip(hooked.deepstack_features, own.deepstack_features, strict=True))
 
 
 def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
