@@ -260,8 +260,8 @@ def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
 def test_compiled_layers_answer_as_transformers_own_decoder(stock_loaded):
     """On CUDA the engine compiles the decoder layers (torch.compile, any length) before capturing its graphs; here
     Inductor compiles them for CPU, and a packed batch of two lengths still answers as transformers' own eager
-    decoder, with the packed experts run by their kernels outside the compiled graphs."""
-    compiled = serve_clef.load_clef("synthetic", device="cpu", progress=lambda line: None)
+    decoder, with the packed experts run by their Triton kernels outside the compiled graphs, as served on CUDA."""
+    compiled = serve_clef.load_clef("synthetic", device="cpu", expert_kernels="triton", progress=lambda line: None)
     decoder = next(m for m in compiled.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     decoder.compile_layers()
