@@ -560,7 +560,7 @@ def nvfp4_down_kernel(
 # as [C, E] and [C, C] masks, which fit in registers at E = 128 with 8 warps. The sizes that change with T are not
 # specialised on (as Triton would on 1 and multiples of 16), so no token count compiles anew after the warm-up.
 # Every program sums the counts of all blocks, so more blocks cost more than they spread: on an H200 chunks of 64
-# pairs (blocks of at least 64) routed 512 tokens in 15.7 us against 28.9 with chunks of 32, 8,192 in 56 against 68.
+# pairs routed 512 tokens in 15.7 us against 28.9 us with chunks of 32, and 8,192 tokens in 56 us against 68 us.
 ROUTING_MOST_BLOCKS = 128  # blocks of pairs: about one counting program per SM of an H200
 ROUTING_CHUNK = 64  # pairs compared at once
 ROUTING_TILES = 16  # tiles per tile-filling program

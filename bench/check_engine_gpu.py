@@ -31,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_clef  # noqa: E402
-from bench_serve import media_requests, profile_decision, swap_text_decoder, text_request, timed_decision  # noqa: E402
+from bench_serve import (  # noqa: E402
+    media_requests, milliseconds, profile_decision, swap_text_decoder, text_request, timed_decision,
+)
 
 PROFILED_KERNELS_REPORTED = 12
 MEDIA_REPEATS = 7  # decisions and forwards per medium
@@ -155,8 +157,7 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         times = [timed_decision(decide, request)[0] for _ in range(MEDIA_REPEATS)]
         encoded = serve_clef.prepare(loaded, request, args.max_length).encoded
-        forwards = [timed_decision(lambda _: serve_clef.score_records(loaded, [encoded]), None)[0]
-                    for _ in range(MEDIA_REPEATS)]
+        forwards = milliseconds(lambda: serve_clef.score_records(loaded, [encoded]), MEDIA_REPEATS)
         peaks[name] = torch.cuda.max_memory_allocated()
         results[f"{name}_ms"] = round(statistics.median(times), 1)
         results[f"{name}_forward_ms"] = round(statistics.median(forwards), 1)
