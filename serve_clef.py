@@ -1059,6 +1059,9 @@ SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo names ser
 SERVED_FORMATS = ("BF16 releases, ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION (of those) exports and "
                   "compressed-tensors nvfp4-pack-quantized ones (see docs/nvfp4-format.md §9)")
 WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
+# A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
+# the capture of its layers' graphs needs.
+WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(16_000, dtype=np.float32)]}
 
 # The two on-disk name layouts of the thinker's tensors (docs/nvfp4-format.md §3.4), as (hub layout,
 # transformers-internal) prefixes.
@@ -1757,6 +1760,7 @@ def load_clef(
         torch.backends.cuda.enable_cudnn_sdp(False)
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(clef_model, processor, WARM_UP_REQUEST)
+        schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
         if expert_kernels == "triton":
             # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
             packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
@@ -1897,6 +1901,7 @@ class PackedTextDecoder(torch.nn.Module):
         # never run at the same time, and 40 buckets' own copies would hold ~1 GiB at full size
         self.static_buffers = None
         self.deepstack_tokens = 0  # the static deepstack features are zero past this many tokens
+        self.tower_graphs = []  # the vision and audio towers' TowerGraphs, captured in the same pool as the decoder
 
     def __getattr__(self, name: str):
         try:
@@ -2030,8 +2035,10 @@ class PackedTextDecoder(torch.nn.Module):
                 static_hidden.copy_(self.run_padded(*static_inputs))
             graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
             self.graphs[bucket] = graph
+        tower_graphs = sum(tower_graphs.capture(pool, side_stream) for tower_graphs in self.tower_graphs)
         progress(f"text decoder compiled and captured in CUDA graphs for {len(self.buckets)} lengths up to "
-                 f"{self.buckets[-1]} tokens in {time.perf_counter() - start:.1f} s")
+                 f"{self.buckets[-1]} tokens, and the towers' layers in {tower_graphs}, in "
+                 f"{time.perf_counter() - start:.1f} s")
 
 
 class HostEmbedding(torch.nn.Module):
@@ -2063,6 +2070,7 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
         tower.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
         if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder":
             tower.register_forward_pre_hook(vision_inputs_from_host_grids, with_kwargs=True)
+        packed.tower_graphs.append(install_tower_steps(tower))
     return packed
 
 
@@ -2093,6 +2101,137 @@ def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:
     """The thinker's vision and audio encoders (found by class, as transformers versions nest them differently)."""
     return [module for module in thinker.modules()
             if type(module).__name__ in ("Qwen3OmniMoeVisionEncoder", "Qwen3OmniMoeAudioEncoder")]
+
+
+# ---- the towers' layers, from CUDA graphs ----------------------------------------------------------------------------
+# The vision and audio towers run transformers' own forward. Op by op, their layers cost the host about 14 ms per image
+# or sound on an H200 for a few ms of GPU work. So each entry of a tower's layer list is a TowerLayerStep, which runs
+# its layer on static buffers padded to a bucket of the tower's packed length: from the layer's CUDA graph for that
+# bucket once captured, else eagerly on the same buffers (CPU, and the tests). The padding is one more sequence of the
+# packed attention, so no real token attends to it, and everything else in a layer is per token. Layer i reads
+# hidden[i % 2] and writes hidden[(i + 1) % 2], so consecutive layers need no copy, and the deepstack mergers, which
+# read a layer's output right after it, see it before it is overwritten two layers later. L the tower's packed length
+# (patches, or audio frames after its convolutions), C its width, D its rotary width, S its sequences (images, frame
+# pairs or audio windows).
+TOWER_BUCKETS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)  # L
+# A second of sound is 13 frames after the audio tower's convolutions, so one clip of the longest (300 s) is 3,900:
+# longer buckets would hold memory and capture time for requests with several long clips only.
+AUDIO_TOWER_BUCKETS = tuple(bucket for bucket in TOWER_BUCKETS if bucket <= 4096)
+TOWER_MOST_SEQUENCES = 64  # S in one graphed forward: flash attention launches blocks for every one, empty or not
+
+
+class TowerGraphs:
+    """One tower's layers, their static buffers and their graphs, shared by the tower's TowerLayerSteps."""
+
+    def __init__(self, config: transformers.PretrainedConfig, layers: list[torch.nn.Module], returns_tuple: bool,
+                 buckets: tuple[int, ...] = TOWER_BUCKETS):
+        self.config = config  # the tower's: which attention its layers call
+        self.layers = layers
+        self.returns_tuple = returns_tuple  # audio layers return (hidden_states,), vision blocks a tensor
+        self.buckets = buckets
+        self.graphs = {}  # (bucket, layer index) -> its CUDAGraph
+        self.hidden = None  # [2, Lmax, C]: layer i reads hidden[i % 2], writes hidden[(i + 1) % 2]
+        self.cu_seqlens = None  # [S + 2] int32: the sequences' boundaries, the padding's, then empty sequences
+        self.rotary = None  # (cos, sin) [Lmax, D] each for the vision tower, None for the audio tower
+
+    def bucket_for(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> int | None:
+        """The bucket of a forward, or None where the graphs cannot take it (it runs as transformers runs it). The
+        padding and the empty sequences need the packed attention (SDPA's path calls attention once per sequence)."""
+        if cu_seqlens.numel() - 1 > TOWER_MOST_SEQUENCES or self.config._attn_implementation != PACKED_ATTENTION:
+            return None
+        return next((bucket for bucket in self.buckets if bucket >= hidden_states.shape[0]), None)
+
+    def load(self, bucket: int, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """A forward's inputs into the static buffers (made at the first, with its widths and dtypes); padding zero."""
+        if self.hidden is None:
+            longest = self.buckets[-1]
+            self.hidden = hidden_states.new_zeros(2, longest, hidden_states.shape[-1])  # [2, Lmax, C]
+            self.cu_seqlens = cu_seqlens.new_zeros(TOWER_MOST_SEQUENCES + 2, dtype=torch.int32)  # [S + 2]
+            if position_embeddings is not None:
+                self.rotary = tuple(x.new_zeros(longest, x.shape[-1]) for x in position_embeddings)  # [Lmax, D]
+        tokens, boundaries = hidden_states.shape[0], cu_seqlens.numel()
+        self.hidden[0, :tokens].copy_(hidden_states)
+        self.hidden[0, tokens:bucket].zero_()
+        self.cu_seqlens[:boundaries].copy_(cu_seqlens)
+        self.cu_seqlens[boundaries:].fill_(bucket)
+        for static, given in zip(self.rotary or (), position_embeddings or ()):
+            static[:tokens].copy_(given)
+            static[tokens:bucket].zero_()
+
+    def run_layer(self, index: int, bucket: int) -> None:
+        """Layer `index` on the static buffers of `bucket`: what its graph holds."""
+        options = {"max_seqlen": bucket}  # an upper bound is all flash attention needs
+        if self.rotary is not None:
+            options["position_embeddings"] = tuple(x[:bucket] for x in self.rotary)
+        out = self.layers[index](self.hidden[index % 2, :bucket], self.cu_seqlens, **options)
+        self.hidden[(index + 1) % 2, :bucket].copy_(out[0] if self.returns_tuple else out)
+
+    @torch.inference_mode()
+    def capture(self, pool: tuple, stream: torch.cuda.Stream) -> int:
+        """Capture every layer for every bucket, largest first, in `pool` (the text decoder's: the towers run before
+        it, and hand it only copies). Needs the static buffers, made by one forward (load's warm-up). Returns the
+        graphs captured."""
+        if self.hidden is None:
+            return 0
+        for bucket in sorted(self.buckets, reverse=True):
+            self.cu_seqlens.copy_(torch.tensor([0] + [bucket] * (TOWER_MOST_SEQUENCES + 1)))  # padding only
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # a first run outside the graphs sets up kernels and workspaces
+                for index in range(len(self.layers)):
+                    self.run_layer(index, bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            for index in range(len(self.layers)):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.run_layer(index, bucket)
+                graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
+                self.graphs[bucket, index] = graph
+        return len(self.graphs)
+
+
+class TowerLayerStep(torch.nn.Module):
+    """Stands in for one layer of a tower, with its forward signature: hidden_states [L, C], cu_seqlens [S + 1], and
+    the rotary position_embeddings (vision) and max_seqlen as keywords. Calls with anything else, or that the graphs
+    cannot take, run the layer itself."""
+
+    TAKEN = frozenset(("position_embeddings", "max_seqlen"))
+
+    def __init__(self, layer: torch.nn.Module, index: int, tower_graphs: TowerGraphs):
+        super().__init__()
+        self.layer = layer
+        self.index = index
+        self.tower_graphs = tower_graphs
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, **kwargs: Any):
+        graphs = self.tower_graphs
+        bucket = graphs.bucket_for(hidden_states, cu_seqlens)
+        if bucket is None or not kwargs.keys() <= self.TAKEN:
+            return self.layer(hidden_states, cu_seqlens, **kwargs)
+        tokens = hidden_states.shape[0]
+        if self.index == 0:
+            graphs.load(bucket, hidden_states, cu_seqlens, kwargs.get("position_embeddings"))
+        elif hidden_states.data_ptr() != graphs.hidden[self.index % 2].data_ptr():
+            # not the previous step's output (transformers' loop changed something in between): take it as given
+            graphs.hidden[self.index % 2, :tokens].copy_(hidden_states)
+        graph = graphs.graphs.get((bucket, self.index))
+        if graph is None:
+            graphs.run_layer(self.index, bucket)
+        else:
+            graph.replay()
+        out = graphs.hidden[(self.index + 1) % 2, :tokens]  # [L, C]
+        return (out,) if graphs.returns_tuple else out
+
+
+def install_tower_steps(tower: torch.nn.Module) -> TowerGraphs:
+    """Put a TowerLayerStep in place of each layer of a vision or audio tower; return their shared TowerGraphs."""
+    is_audio = type(tower).__name__ == "Qwen3OmniMoeAudioEncoder"
+    layers = tower.layers if is_audio else tower.blocks
+    tower_graphs = TowerGraphs(tower.config, list(layers), returns_tuple=is_audio,
+                               buckets=AUDIO_TOWER_BUCKETS if is_audio else TOWER_BUCKETS)
+    for index, layer in enumerate(tower_graphs.layers):
+        layers[index] = TowerLayerStep(layer, index, tower_graphs)
+    return tower_graphs
 
 
 # ---- the joint head, batched -----------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ after run.
 Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json when OUT is set)
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -37,6 +38,24 @@ from bench_serve import (  # noqa: E402
 
 PROFILED_KERNELS_REPORTED = 12
 MEDIA_REPEATS = 7  # decisions and forwards per medium
+
+
+@contextlib.contextmanager
+def towers_own_layers(loaded):
+    """The towers' own layers in place of their TowerLayerSteps (no padding, no graphs): the baseline of the steps."""
+    swapped = []
+    for tower in serve_clef.thinker_towers(loaded.model.thinker):
+        layers = tower.blocks if hasattr(tower, "blocks") else tower.layers
+        steps = list(layers)
+        for index, step in enumerate(steps):
+            layers[index] = step.layer
+        swapped.append((layers, steps))
+    try:
+        yield
+    finally:
+        for layers, steps in swapped:
+            for index, step in enumerate(steps):
+                layers[index] = step
 
 
 def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
@@ -122,6 +141,12 @@ def main() -> int:
         isinstance(embedding, serve_clef.HostEmbedding)
         and torch.equal(embedding(token_ids), embedding.weight.to("cuda")[token_ids])
     )
+    decoder = next(module for module in loaded.model.modules() if isinstance(module, serve_clef.PackedTextDecoder))
+    tower_graphs = [len(graphs.graphs) for graphs in decoder.tower_graphs]  # vision, audio
+    results["tower_graphs"] = tower_graphs
+    checks["the vision and audio towers' layers captured in CUDA graphs at load"] = (
+        len(tower_graphs) == 2 and all(tower_graphs)
+    )
     checks["joint head batched (checked at load), output embeddings on the host"] = (
         isinstance(loaded.model.head, serve_clef.BatchedJointSchemaHead)
         and isinstance(loaded.model.output_embeddings, serve_clef.HostEmbedding)
@@ -159,10 +184,14 @@ def main() -> int:
         encoded = serve_clef.prepare(loaded, request, args.max_length).encoded
         forwards = milliseconds(lambda: serve_clef.score_records(loaded, [encoded]), MEDIA_REPEATS)
         peaks[name] = torch.cuda.max_memory_allocated()
+        with towers_own_layers(loaded):  # the baseline in the same process: the towers' layers op by op
+            own_forwards = milliseconds(lambda: serve_clef.score_records(loaded, [encoded]), MEDIA_REPEATS)
         results[f"{name}_ms"] = round(statistics.median(times), 1)
         results[f"{name}_forward_ms"] = round(statistics.median(forwards), 1)
+        results[f"{name}_forward_towers_op_by_op_ms"] = round(statistics.median(own_forwards), 1)
         print(f"{name}: median of {MEDIA_REPEATS} decisions {statistics.median(times):.1f} ms "
-              f"({', '.join(f'{t:.0f}' for t in times)}), forwards {statistics.median(forwards):.1f} ms")
+              f"({', '.join(f'{t:.0f}' for t in times)}), forwards {statistics.median(forwards):.1f} ms "
+              f"(towers' layers op by op: {statistics.median(own_forwards):.1f} ms)")
     results["serving_peak_by_request_gib"] = {name: round(peak / 2**30, 2) for name, peak in peaks.items()}
     print(f"serving peaks: {results['serving_peak_by_request_gib']} (the comparisons: "
           f"{results['comparisons_peak_gib']} GiB)")

@@ -66,6 +66,9 @@ def stock_loaded():
             del module.decoder._deepstack_process  # transformers' own, through the visual tokens' mask
     for tower in serve_clef.thinker_towers(loaded.model.thinker):
         tower.config._attn_implementation = "sdpa"
+        layers = tower.blocks if hasattr(tower, "blocks") else tower.layers
+        for index, step in enumerate(layers):
+            layers[index] = step.layer  # transformers' own layer, on the tower's own inputs
         tower._forward_pre_hooks.clear()  # the vision encoder computes its positions and boundaries itself
     return loaded
 
@@ -153,6 +156,66 @@ def test_a_mixed_batch_runs_as_each_record_alone(loaded, stock_loaded, mixed_req
     assert all(torch.equal(a, b) for first, second in zip(batch_logits, again) for a, b in zip(first, second))
 
 
+def test_tower_steps_give_each_tower_layer_s_own_outputs(loaded, png_bytes, wav_bytes, mp4_with_audio_bytes,
+                                                          monkeypatch):
+    """Each tower layer runs on static buffers padded to a bucket (on CUDA, from its graph). The towers' outputs equal
+    those of their own layers run on their own inputs: bit for bit for the final hidden states, to float rounding for
+    the deepstack features, for two images of different sizes, a video and two sounds. A forward with more sequences
+    than the graphs take runs the layers themselves."""
+    request = {**REQUESTS[0], "images": [data_url("image/png", png_bytes),
+                                         data_url("image/png", synthetic_release.synthetic_png(48, 80))],
+               "videos": [data_url("video/mp4", mp4_with_audio_bytes)],
+               "audio": [data_url("audio/wav", wav_bytes), data_url("audio/wav", synthetic_release.synthetic_wav(2.5))]}
+    media = serve_clef.prepare(loaded, request, 4096).encoded.media
+    vision, audio = sorted(serve_clef.thinker_towers(loaded.model.thinker), key=lambda t: "Audio" in type(t).__name__)
+    run_layers = []  # (tower graphs, layer index, bucket) of each layer run on the static buffers
+    run_layer = serve_clef.TowerGraphs.run_layer
+    monkeypatch.setattr(serve_clef.TowerGraphs, "run_layer",
+                        lambda graphs, index, bucket: run_layers.append((graphs, index, bucket)) or run_layer(
+                            graphs, index, bucket))
+
+    def own_layers(tower, layers, forward):  # the tower's forward with its own layers in place of the steps
+        steps = list(layers)
+        for index, step in enumerate(steps):
+            layers[index] = step.layer
+        try:
+            return forward()
+        finally:
+            for index, step in enumerate(steps):
+                layers[index] = step
+
+    with torch.inference_mode():
+        for pixels, grid in ((media["pixel_values"], media["image_grid_thw"]),
+                             (media["pixel_values_videos"], media["video_grid_thw"])):
+            pixels, grid = torch.as_tensor(pixels).to(torch.bfloat16), torch.as_tensor(grid)
+            run_layers.clear()
+            stepped = vision(pixels, grid_thw=grid)
+            assert [index for _, index, _ in run_layers] == list(range(vision.config.depth))
+            assert run_layers[0][2] >= pixels.shape[0]  # a bucket that holds every patch
+            own = own_layers(vision, vision.blocks, lambda: vision(pixels, grid_thw=grid))
+            assert torch.equal(stepped.pooler_output, own.pooler_output)
+            for stepped_features, own_features in zip(stepped.deepstack_features, own.deepstack_features, strict=True):
+                torch.testing.assert_close(stepped_features, own_features)
+        features = torch.as_tensor(media["input_features"]).to(torch.bfloat16)  # [N, mel bins, frames]
+        feature_mask = torch.as_tensor(media["feature_attention_mask"]).bool()  # [N, frames]
+        input_features = features.permute(0, 2, 1)[feature_mask].permute(1, 0)  # [mel bins, frames of both]
+        feature_lens = feature_mask.sum(-1)
+        run_layers.clear()
+        stepped = audio(input_features, feature_lens=feature_lens)
+        assert [index for _, index, _ in run_layers] == list(range(audio.config.encoder_layers))
+        own = own_layers(audio, audio.layers, lambda: audio(input_features, feature_lens=feature_lens))
+        assert torch.equal(stepped.last_hidden_state, own.last_hidden_state)
+
+        monkeypatch.setattr(serve_clef, "TOWER_MOST_SEQUENCES", 1)  # two images: more sequences than graphs take
+        run_layers.clear()
+        pixels = torch.as_tensor(media["pixel_values"]).to(torch.bfloat16)
+        grid = torch.as_tensor(media["image_grid_thw"])
+        alone = vision(pixels, grid_thw=grid)
+        assert not run_layers
+        assert torch.equal(alone.pooler_output, own_layers(vision, vision.blocks,
+                                                           lambda: vision(pixels, grid_thw=grid)).pooler_output)
+
+
 def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_bytes):
     """The towers run the packed attention: one call per layer for all of a record's images (or audio windows), not
     causal, with each image's (window's) own boundaries, which the test above holds to attention within each. Their
@@ -182,8 +245,13 @@ def test_the_towers_attend_within_each_image_and_sound(loaded, png_bytes, wav_by
     audio_calls = [call for call in tower_calls if "Audio" in call[0]]
     assert len(vision_calls) == vision.config.depth and len(audio_calls) == audio.config.encoder_layers
     assert all(not causal for _, causal, _ in tower_calls)
-    image_lengths = {tuple(b - a for a, b in zip(boundaries, boundaries[1:])) for _, _, boundaries in vision_calls}
-    assert len(image_lengths) == 1 and len(*image_lengths) == 2 and len(set(*image_lengths)) == 2  # two sizes
+    # the tower's steps pad its patches to a bucket, as one more sequence, and leave the remaining sequences empty
+    patches = int(torch.as_tensor(record.media["image_grid_thw"]).prod(-1).sum())
+    image_boundaries = {tuple(b for b in boundaries if b <= patches) for _, _, boundaries in vision_calls}
+    assert len(image_boundaries) == 1 and len(*image_boundaries) == 3  # the same in every layer: two images
+    image_lengths = [b - a for a, b in zip(*image_boundaries, next(iter(image_boundaries))[1:])]
+    assert image_lengths[0] != image_lengths[1] and sum(image_lengths) == patches  # two sizes, every patch
+    assert all(set(boundaries[3:]) == {boundaries[3]} and boundaries[3] >= patches for _, _, boundaries in vision_calls)
     assert all(len(boundaries) >= 3 for _, _, boundaries in audio_calls)  # two sounds at least
     try:
         for tower in towers:
