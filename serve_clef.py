@@ -2035,9 +2035,9 @@ class PackedTextDecoder(torch.nn.Module):
                 static_hidden.copy_(self.run_padded(*static_inputs))
             graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
             self.graphs[bucket] = graph
-        tower_graphs = sum(tower_graphs.capture(pool, side_stream) for tower_graphs in self.tower_graphs)
+        captured_tower_layers = sum(tower.capture(pool, side_stream) for tower in self.tower_graphs)
         progress(f"text decoder compiled and captured in CUDA graphs for {len(self.buckets)} lengths up to "
-                 f"{self.buckets[-1]} tokens, and the towers' layers in {tower_graphs}, in "
+                 f"{self.buckets[-1]} tokens, and the towers' layers in {captured_tower_layers}, in "
                  f"{time.perf_counter() - start:.1f} s")
 
 
