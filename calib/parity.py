@@ -8,7 +8,7 @@
 #   "huggingface_hub",
 #   "numpy",
 #   "pillow",
-#   "av",
+#   "av>=17",  # VideoFrame.to_ndarray(threads=...)
 #   "fastapi",
 #   "uvicorn",
 #   "requests",

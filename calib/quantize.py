@@ -11,7 +11,7 @@
 #   "huggingface_hub",
 #   "numpy",
 #   "pillow",
-#   "av",
+#   "av>=17",  # VideoFrame.to_ndarray(threads=...)
 #   "tqdm",
 # ]
 # ///

@@ -2,14 +2,18 @@
 independence, and loading failures that name what failed."""
 
 import base64
+import io
 import json
 import shutil
 
+import av
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 import joint_schema_model as jsm
+import synthetic_release
 
 QUESTIONS = {
     "intent": {"type": "choice", "instructions": "Which intent?", "criteria": {"refund": "money back", "browse": None}},
@@ -169,6 +173,53 @@ def test_video_frames_are_sampled_at_two_fps_and_even(mp4_with_audio_bytes):
     frames, track = jsm.load_video(mp4_with_audio_bytes)
     assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.shape[0] % 2 == 0
     assert track is not None and track.dtype.name == "float32"
+
+
+def noise_clip(container_format: str, codec: str, sample_rate: int, layout: str, seconds: float) -> bytes:
+    """Seeded white noise (so that every sample counts) encoded by FFmpeg."""
+    channels = 2 if layout == "stereo" else 1
+    samples = np.random.default_rng(0).uniform(-0.5, 0.5, size=(1, round(seconds * sample_rate) * channels))
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=sample_rate, layout=layout)
+        step = 1152  # samples per channel in a frame; packed "flt" frames interleave the channels
+        for start in range(0, samples.shape[1] // channels, step):
+            chunk = samples[:, start * channels:(start + step) * channels].astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(chunk, format="flt", layout=layout)
+            frame.sample_rate, frame.pts = sample_rate, start
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def test_audio_opened_without_stream_probing_decodes_as_ffmpeg_s_defaults(monkeypatch):
+    # AUDIO_OPEN_OPTIONS skip FFmpeg's stream probing: the samples must be those its default opening gives
+    clips = [
+        synthetic_release.synthetic_wav(3.0),
+        noise_clip("wav", "pcm_s16le", 44_100, "stereo", 2.0),
+        noise_clip("wav", "pcm_f32le", 22_050, "mono", 1.0),
+        noise_clip("mp3", "libmp3lame", 44_100, "stereo", 2.0),
+        synthetic_release.synthetic_mp4(True, seconds=2),  # a video's soundtrack
+    ]
+    with_options = [jsm.load_audio(clip) for clip in clips]
+    monkeypatch.setattr(jsm, "AUDIO_OPEN_OPTIONS", None)
+    for clip, samples in zip(clips, with_options):
+        expected = jsm.load_audio(clip)
+        assert samples.size > 8_000 and np.array_equal(samples, expected)
+
+
+def test_video_frames_converted_on_one_thread_equal_ffmpeg_s_threaded_conversion():
+    mp4 = synthetic_release.synthetic_mp4(False, seconds=2, size=(640, 480))  # over the frame cap: frames are scaled
+    frames, _ = jsm.load_video(mp4)
+    height, width = frames.shape[1:3]
+    assert (width, height) != (640, 480)
+    with av.open(io.BytesIO(mp4)) as container:
+        decoded = list(container.decode(video=0))
+    expected = []
+    for frame in decoded:  # the first frame at or after each half second
+        if frame.time + 1e-6 >= len(expected) / jsm.VIDEO_FPS:
+            expected.append(frame.to_ndarray(format="rgb24", width=width, height=height))
+    assert np.array_equal(frames, np.stack(expected))
 
 
 def test_bad_media_raise_clear_value_errors(clef, wav_bytes, png_bytes):
