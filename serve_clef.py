@@ -3460,7 +3460,13 @@ class ClefService:
 
     def load_in_background(self) -> None:
         try:
-            self.loaded = self.load(self.args, progress=console)
+            loaded = self.load(self.args, progress=console)
+            # What the load made lives as long as the server. Python's full garbage collections walk every object
+            # the process tracks, and they come unannounced while requests are answered: after loading the full
+            # model on the H200's host, 806,000 objects and 458 ms a walk. Frozen, those objects are never walked.
+            gc.collect()
+            gc.freeze()
+            self.loaded = loaded
         except Exception as error:  # whatever went wrong is reported by /healthz; the server keeps answering
             self.load_error = f"the model failed to load: {error}"
             if not isinstance(error, CheckpointError):

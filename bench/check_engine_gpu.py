@@ -20,6 +20,7 @@ Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json wh
 """
 
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -84,6 +85,20 @@ def main() -> int:
     results["first_decision_after_load_ms"] = round(first_ms, 1)  # a new length, before any other decision
     results["first_decision_stages_ms"] = {stage: round(seconds * 1000, 2) for stage, seconds in first_stages.items()}
     print(f"first decision after load (505 tokens): {first_ms:.1f} ms, stages {results['first_decision_stages_ms']}")
+    # What one of the full garbage collections Python starts now and then while serving costs with everything the
+    # load made tracked, then frozen as the server freezes it once loaded (ClefService.load_in_background).
+    tracked = len(gc.get_objects())
+    collections_ms = []
+    for freeze in (False, True):
+        if freeze:
+            gc.freeze()
+        start = time.perf_counter()
+        gc.collect()
+        collections_ms.append(round((time.perf_counter() - start) * 1000, 1))
+    results["full_garbage_collection_ms"] = {"objects tracked after load": tracked, "as loaded": collections_ms[0],
+                                             "frozen": collections_ms[1]}
+    print(f"one full garbage collection over the {tracked:,} objects tracked after load: {collections_ms[0]} ms; "
+          f"frozen: {collections_ms[1]} ms")
 
     def alone(requests):
         return [serve_clef.decide(loaded, request, args.max_length)["answers"] for request in requests]

@@ -9,6 +9,7 @@ asked a good question after each one.
 
 import base64
 import contextlib
+import gc
 import gzip
 import io
 import json
@@ -614,6 +615,7 @@ def serve_in_thread(app):
     finally:
         uvicorn_server.should_exit = True
         thread.join(timeout=30)
+        gc.unfreeze()  # the server froze what this process had made by its load: let the tests after it collect it
 
 
 @pytest.fixture(scope="session")
@@ -653,6 +655,22 @@ def test_503_while_loading_then_ready(args, loaded, processor):
         response = requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S)  # no key needed
         assert response.status_code == 200, response.text
         check_answers(GOOD_REQUEST, response.json(), processor)
+
+
+def test_what_the_load_made_is_frozen_out_of_garbage_collection(args, loaded):
+    # once loaded, the model's objects must not be walked by the full collections that come while serving
+    made = []
+
+    def load(args, progress):
+        made.append([loaded])  # a container made by the load, which the collector tracks
+        return loaded
+
+    with serve_in_thread(serve_clef.create_app(args, load=load)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        assert gc.get_freeze_count() > 0
+        assert not any(tracked is made[0] for tracked in gc.get_objects())
+        assert requests.post(f"{base_url}/v1/systemone", json=GOOD_REQUEST, timeout=TIMEOUT_S).status_code == 200
+    assert any(tracked is made[0] for tracked in gc.get_objects())  # serve_in_thread unfroze them again
 
 
 def test_http_answers_equal_systemone_called_directly(args, loaded, server):
