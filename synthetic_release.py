@@ -629,15 +629,16 @@ VIDEO_FPS = 8
 VIDEO_SECONDS = 2
 
 
-def synthetic_png(width: int = 96, height: int = 64) -> bytes:
-    """An RGB PNG of colour gradients, so resizing and normalisation see varied pixels."""
+def synthetic_png(width: int = 96, height: int = 64, shift: int = 0) -> bytes:
+    """An RGB PNG of colour gradients, so resizing and normalisation see varied pixels; `shift` rolls the gradients
+    by that many pixels, for distinct images of one size."""
     import io
 
     import numpy as np
     from PIL import Image
 
     y, x = np.mgrid[0:height, 0:width]
-    red, green = x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1)
+    red, green = (x + shift) % width * 255 // max(width - 1, 1), (y + shift) % height * 255 // max(height - 1, 1)
     pixels = np.stack([red, green, (red + green) // 2], axis=-1).astype(np.uint8)  # [h,w,3]
     buffer = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
@@ -651,8 +652,8 @@ def _sine(seconds: float, frequency: float):
     return (0.3 * np.sin(2 * math.pi * frequency * t)).astype(np.float32)
 
 
-def synthetic_wav(seconds: float = 1.5) -> bytes:
-    """A 440 Hz sine as 16 kHz mono 16-bit WAV (standard library writer: no audio package needed)."""
+def synthetic_wav(seconds: float = 1.5, frequency: float = 440.0) -> bytes:
+    """A sine (440 Hz unless told) as 16 kHz mono 16-bit WAV (standard library writer: no audio package needed)."""
     import io
     import wave
 
@@ -662,13 +663,14 @@ def synthetic_wav(seconds: float = 1.5) -> bytes:
         wav.setnchannels(1)
         wav.setsampwidth(2)
         wav.setframerate(AUDIO_RATE)
-        wav.writeframes((_sine(seconds, 440.0) * 32767).astype("<i2").tobytes())
+        wav.writeframes((_sine(seconds, frequency) * 32767).astype("<i2").tobytes())
     return buffer.getvalue()
 
 
-def synthetic_mp4(with_audio: bool, seconds: int = VIDEO_SECONDS, size: tuple[int, int] = VIDEO_SIZE) -> bytes:
+def synthetic_mp4(with_audio: bool, seconds: int = VIDEO_SECONDS, size: tuple[int, int] = VIDEO_SIZE,
+                  shift: int = 0) -> bytes:
     """`seconds` of moving-gradient frames of `size` (width, height) at VIDEO_FPS (mpeg4), optionally with a 16 kHz
-    mono AAC sine track."""
+    mono AAC sine track; `shift` starts the gradients that many pixels on, for distinct videos of one size."""
     import io
     from fractions import Fraction
 
@@ -683,7 +685,8 @@ def synthetic_mp4(with_audio: bool, seconds: int = VIDEO_SECONDS, size: tuple[in
         audio = container.add_stream("aac", rate=AUDIO_RATE, layout="mono") if with_audio else None
         y, x = np.mgrid[0:height, 0:width]
         for index in range(VIDEO_FPS * seconds):
-            pixels = np.stack([(x + 8 * index) % 256, (y * 4) % 256, np.full_like(x, 16 * index)], axis=-1)  # [h,w,3]
+            # [h, w, 3]
+            pixels = np.stack([(x + shift + 8 * index) % 256, (y * 4) % 256, np.full_like(x, 16 * index)], axis=-1)
             container.mux(video.encode(av.VideoFrame.from_ndarray(pixels.astype(np.uint8), format="rgb24")))
         container.mux(video.encode())
         if audio is not None:

@@ -191,21 +191,31 @@ def main() -> int:
             print(f"~{target} tokens, new lengths, {name}: median {statistics.median(times):.1f} ms "
                   f"({', '.join(f'{t:.0f}' for t in times)}); the first again: {statistics.median(repeats):.1f} ms")
     peaks["engine, text of 512 and 2,048 tokens"] = torch.cuda.max_memory_allocated()
+    new_media = [media_requests(variant) for variant in range(1, MEDIA_REPEATS + 1)]  # each decision its own media
     for name, request in media_requests().items():
-        # Whole decisions vary with the host's CPU preparation (14-70 ms for these media), so the forward alone is
-        # timed too, on the record prepared once.
+        # Whole decisions vary with the host's CPU preparation (10-45 ms for these media), so each stage's time is
+        # reported, and the forward alone is timed too, on one record prepared once.
         torch.cuda.reset_peak_memory_stats()
-        times = [timed_decision(decide, request)[0] for _ in range(MEDIA_REPEATS)]
+        times, stages = [], []
+        for requests in new_media:
+            stages.append({})
+            times.append(timed_decision(
+                lambda new_request: serve_clef.decide(loaded, new_request, args.max_length, stages[-1]),
+                requests[name])[0])
+        stage_ms = {stage: round(statistics.median(timing[stage] for timing in stages) * 1000, 1)
+                    for stage in stages[0]}
         encoded = serve_clef.prepare(loaded, request, args.max_length).encoded
         forwards = milliseconds(lambda: serve_clef.score_records(loaded, [encoded]), MEDIA_REPEATS)
         peaks[name] = torch.cuda.max_memory_allocated()
         with towers_own_layers(loaded):  # the baseline in the same process: the towers' layers op by op
             own_forwards = milliseconds(lambda: serve_clef.score_records(loaded, [encoded]), MEDIA_REPEATS)
         results[f"{name}_ms"] = round(statistics.median(times), 1)
+        results[f"{name}_stages_ms"] = stage_ms
         results[f"{name}_forward_ms"] = round(statistics.median(forwards), 1)
         results[f"{name}_forward_towers_op_by_op_ms"] = round(statistics.median(own_forwards), 1)
-        print(f"{name}: median of {MEDIA_REPEATS} decisions {statistics.median(times):.1f} ms "
-              f"({', '.join(f'{t:.0f}' for t in times)}), forwards {statistics.median(forwards):.1f} ms "
+        print(f"{name}: median of {MEDIA_REPEATS} decisions, each its own media, {statistics.median(times):.1f} ms "
+              f"({', '.join(f'{t:.0f}' for t in times)}; stages {stage_ms}), "
+              f"forwards {statistics.median(forwards):.1f} ms "
               f"(towers' layers op by op: {statistics.median(own_forwards):.1f} ms)")
     results["serving_peak_by_request_gib"] = {name: round(peak / 2**30, 2) for name, peak in peaks.items()}
     print(f"serving peaks: {results['serving_peak_by_request_gib']} (the comparisons: "
