@@ -192,20 +192,32 @@ def noise_clip(container_format: str, codec: str, sample_rate: int, layout: str,
     return buffer.getvalue()
 
 
-def test_audio_opened_without_stream_probing_decodes_as_ffmpeg_s_defaults(monkeypatch):
-    # AUDIO_OPEN_OPTIONS skip FFmpeg's stream probing: the samples must be those its default opening gives
+def resampled_frame_by_frame(data: bytes) -> np.ndarray:
+    """The plain way: opened with FFmpeg's defaults, each decoded frame through its resampler as it comes."""
+    with av.open(io.BytesIO(data)) as container:
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=16_000)
+        frames = [out for frame in container.decode(audio=0) for out in resampler.resample(frame)]
+        frames += resampler.resample(None)
+    return np.concatenate([frame.to_ndarray().reshape(-1) for frame in frames])
+
+
+@pytest.mark.parametrize("resample_seconds", [jsm.AUDIO_RESAMPLE_SECONDS, 1])
+def test_audio_decodes_to_ffmpeg_s_samples_frame_by_frame(monkeypatch, resample_seconds):
+    # load_audio opens clips without FFmpeg's stream probing and resamples them in chunks, not frame by frame (with
+    # chunks of 1 s, most clips here are several): the samples must be those of the plain way
+    monkeypatch.setattr(jsm, "AUDIO_RESAMPLE_SECONDS", resample_seconds)
     clips = [
         synthetic_release.synthetic_wav(3.0),
-        noise_clip("wav", "pcm_s16le", 44_100, "stereo", 2.0),
+        noise_clip("wav", "pcm_s16le", 44_100, "stereo", 2.5),
         noise_clip("wav", "pcm_f32le", 22_050, "mono", 1.0),
-        noise_clip("mp3", "libmp3lame", 44_100, "stereo", 2.0),
-        synthetic_release.synthetic_mp4(True, seconds=2),  # a video's soundtrack
+        noise_clip("mp3", "libmp3lame", 44_100, "stereo", 2.5),
+        noise_clip("mp3", "libmp3lame", 8_000, "mono", 3.0),
+        synthetic_release.synthetic_mp4(True, seconds=2),  # a video's soundtrack (AAC)
     ]
-    with_options = [jsm.load_audio(clip) for clip in clips]
-    monkeypatch.setattr(jsm, "AUDIO_OPEN_OPTIONS", None)
-    for clip, samples in zip(clips, with_options):
-        expected = jsm.load_audio(clip)
-        assert samples.size > 8_000 and np.array_equal(samples, expected)
+    for clip in clips:
+        samples, expected = jsm.load_audio(clip), resampled_frame_by_frame(clip)
+        assert samples.dtype == np.float32 and samples.size > 8_000
+        assert np.array_equal(samples, expected)
 
 
 def test_video_frames_converted_on_one_thread_equal_ffmpeg_s_threaded_conversion():
