@@ -55,7 +55,7 @@ MAX_VIDEO_FRAME_PIXELS = 256 * 32 * 32
 # already: a 10 s WAV paid about 5 ms per open for it. The samples decoded are the same.
 AUDIO_OPEN_OPTIONS = {"probesize": "32"}
 # Decoded audio goes to the resampler this many seconds at a time rather than frame by frame: each call costs tens of
-# microseconds, and a clip has about 40 frames a second; the chunks keep what is held in its decoded format bounded.
+# microseconds, and a clip has 16 to 40 frames a second; the chunks keep what is held in its decoded format bounded.
 AUDIO_RESAMPLE_SECONDS = 30
 IMAGE_SIZE = {"shortest_edge": 65_536, "longest_edge": 1_048_576}  # pixel areas: 64 to 1,024 image tokens
 _DATA_URL = re.compile(r"^data:[\w.+-]+/[\w.+-]+;base64,(?P<data>.+)$", re.DOTALL)
