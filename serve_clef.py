@@ -1058,6 +1058,10 @@ SYNTHETIC_INPUT_SCALE = 6.0 / (6 * 448)
 SERVED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo names served, compared upper-cased
 SERVED_FORMATS = ("BF16 releases, ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION (of those) exports and "
                   "compressed-tensors nvfp4-pack-quantized ones (see docs/nvfp4-format.md §9)")
+# With the model on a GPU the CPU only prepares requests (media decoding, the processor, the tokenizer), on small
+# tensors: on the H200's 16-CPU host, torch's default of one thread per CPU prepared an image 1.6x, a sound 2.1x and a
+# video 1.1x slower than 8 threads did, with the same tensors out (docs/benchmarks.md, 2026-12-03 19:27 UTC).
+PREPARATION_CPU_THREADS = 8
 WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
 # A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
 # the capture of its layers' graphs needs.
@@ -1652,7 +1656,8 @@ def load_clef(
     "auto", "triton", "unpack" or "native" (--expert-kernels). simulate_fp4_activations: faithful W4A4 replay
     (--simulate-fp4-activations). packed_nvfp4: False unpacks NVFP4 experts to BF16 at load (--no-packed-nvfp4).
     repair_nan_scales: load NaN block scales as 448 instead of refusing them (--repair-nan-scales). progress:
-    receives one line per loading step. Raises CheckpointError with a one-line fix.
+    receives one line per loading step. Raises CheckpointError with a one-line fix. On a GPU it also caps torch's CPU
+    threads for the process at PREPARATION_CPU_THREADS, which prepare requests faster than one per CPU.
     """
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1753,6 +1758,7 @@ def load_clef(
     if device.type == "cuda" and not tied_embeddings:  # a table tied to the lm_head stays on the device
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
+        torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
         # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
         # now, not in the first request.
         # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); the towers' SDPA

@@ -77,7 +77,8 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "transformers": serve_clef.transformers.__version__, "load_s": round(loaded.load_s, 1),
                "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
-               "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+               "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               "cpu_threads": f"{torch.get_num_threads()} of {os.cpu_count()} CPUs"}  # load_clef caps them on a GPU
     torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
     first_stages = {}
     first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length, first_stages),
