@@ -2500,29 +2500,63 @@ def batch_compatible(encoded_records: list) -> bool:
     return len(flags) <= 1
 
 
+def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], Any]:
+    """Each record's option logits per question (a few values each), copied to host memory in one transfer for the
+    whole batch, queued without waiting: (the host tensors, a CUDA event that has passed once they hold the values,
+    or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a wait
+    per question."""
+    questions = [question_logits for record_logits in batch_logits for question_logits in record_logits]
+    if not questions:
+        return batch_logits, None
+    flat = torch.cat([question_logits.reshape(-1) for question_logits in questions])  # [sum of the options]
+    copied = None
+    if flat.is_cuda:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        flat = host
+    host_questions = iter(flat.split([question_logits.numel() for question_logits in questions]))
+    host_logits = [[next(host_questions).view(question_logits.shape) for question_logits in record_logits]
+                   for record_logits in batch_logits]
+    return host_logits, copied
+
+
 @torch.inference_mode()
-def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.Tensor] | None]:
-    """The joint head's option logits of each encoded record (per question), from one forward of the batch.
+def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], list[list[torch.Tensor] | None]]:
+    """Queue one forward of a batch of encoded records on the device, and return `wait`: wait() blocks until it has
+    run and returns each record's option logits per question (in host memory). The host is free in between: the
+    server queues the next batch's forward before it answers this one's records, so that the device has work while
+    the host answers.
 
     The batch is the decision module's own collation (right-padded, media concatenated) through its own
     `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
-    runs out of memory, each record is scored alone; a record that does not fit even alone gets None.
+    runs out of memory, each record is scored alone (before this returns); a record that does not fit even alone
+    gets None.
     """
     device = next(loaded.model.parameters()).device
     try:
         batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, device)
-        logits = loaded.model._forward_unpadded(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # an asynchronous fault belongs to this batch, not to the next one
-        return logits
+        host_logits, copied = logits_to_host(loaded.model._forward_unpadded(batch))
     except torch.OutOfMemoryError:
         pass  # retried below, once the exception (and the frames it holds) has let go of the batch's memory
+    else:
+        def wait() -> list[list[torch.Tensor]]:
+            if copied is not None:
+                copied.synchronize()  # an asynchronous fault of the device surfaces here, with this batch
+            return host_logits
+        return wait
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if len(encoded_records) == 1:
-        return [None]
-    return [score_records(loaded, [record])[0] for record in encoded_records]
+    alone = [None] if len(encoded_records) == 1 else [score_records(loaded, [record])[0] for record in encoded_records]
+    return lambda: alone
+
+
+def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.Tensor] | None]:
+    """The joint head's option logits of each encoded record (per question, in host memory), from one forward of the
+    batch, waited for (queue_forward)."""
+    return queue_forward(loaded, encoded_records)()
 
 
 # ==== decisions =======================================================================================================
@@ -3352,8 +3386,9 @@ class ClefService:
     decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
     thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
-    over the budget runs alone), scores them in one forward and answers each. At most `max_queue` requests wait or
-    run (503 with Retry-After beyond), and a request still unscored after `request_timeout` seconds gets 503.
+    over the budget runs alone), queues their forward on the device, and only then answers the records of the
+    forward before it, while the device runs this one. At most `max_queue` requests wait or run (503 with
+    Retry-After beyond), and a request still unscored after `request_timeout` seconds gets 503.
     """
 
     def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):
@@ -3415,8 +3450,9 @@ class ClefService:
     def score_forever(self) -> None:
         self.load_in_background()
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
+        running = None  # (batch, when its forward was queued, its wait) of the forward queued last, not yet answered
         while self.loaded is not None:
-            if not backlog:
+            if not backlog and running is None:
                 backlog.append(self.prepared.get())
             with contextlib.suppress(queue.Empty):
                 while True:
@@ -3429,17 +3465,29 @@ class ClefService:
                 if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
                     batch.append(job)
                     tokens += job.prepared.tokens
-            if batch:
-                backlog = [job for job in backlog if job not in batch]
-                self.score_batch(batch)
+            backlog = [job for job in backlog if job not in batch]
+            # The next forward is queued before the last one's records are answered: the device runs it while the
+            # host answers (and the HTTP and preparing threads, woken by the answers, take Python's lock).
+            queued = self.queue_batch(batch) if batch else None
+            if running is not None:
+                self.answer_batch(*running)
+            running = queued
 
-    def score_batch(self, batch: list[DecisionJob]) -> None:
+    def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, Callable] | None:
         forward_started = time.perf_counter()
         for job in batch:  # waiting time: everything before the forward that was not decoding or encoding
             job.timings["queue"] = forward_started - job.enqueued - job.timings["decode"] - job.timings["encode"]
         try:
-            batch_logits = score_records(self.loaded, [job.prepared.encoded for job in batch])
+            return batch, forward_started, queue_forward(self.loaded, [job.prepared.encoded for job in batch])
         except BaseException as error:  # a fault of the forward: every request of the batch gets it (a 500)
+            for job in batch:
+                job.settle(error=error)
+            return None
+
+    def answer_batch(self, batch: list[DecisionJob], forward_started: float, wait: Callable) -> None:
+        try:
+            batch_logits = wait()
+        except BaseException as error:
             for job in batch:
                 job.settle(error=error)
             return

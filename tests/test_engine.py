@@ -120,6 +120,20 @@ def test_packed_attention_without_causality_is_attention_within_each_record():
         torch.testing.assert_close(packed[0, start:end], alone[0].transpose(0, 1))
 
 
+def test_logits_to_host_keeps_each_record_s_questions_in_order():
+    """The batch's logits come back as one tensor split again: each record's questions, each with its own options
+    and values, in order."""
+    generator = torch.Generator().manual_seed(2)
+    batch_logits = [[torch.randn(3, generator=generator), torch.randn(7, generator=generator)],
+                    [torch.randn(2, generator=generator)], [torch.randn(5, generator=generator)] * 3]
+    on_host, copied = serve_clef.logits_to_host(batch_logits)
+    assert copied is None  # on the host already: nothing to wait for
+    assert [len(record) for record in on_host] == [2, 1, 3]
+    for record, host_record in zip(batch_logits, on_host, strict=True):
+        for question, host_question in zip(record, host_record, strict=True):
+            assert host_question.device.type == "cpu" and torch.equal(host_question, question)
+
+
 def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
     """The thinker's final hidden states [B, L, H] of a batch, collated and run as the decision module runs it."""
     batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")

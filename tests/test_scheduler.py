@@ -118,3 +118,27 @@ def test_the_request_of_a_client_that_went_away_is_not_scored(loaded, monkeypatc
             assert first.result().status_code == 200
         assert post(base_url, request_with_id(2)).status_code == 200
     assert held.batches == [["r0"], ["r2"]]
+
+
+def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(loaded, monkeypatch):
+    """While the device runs a forward, the host answers the records of the one before it: a batch that is waiting
+    when a forward ends goes to the device before that forward's records are answered."""
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        forwards_when_answered = {}  # record id -> forwards queued by the time it was answered
+        answer = serve_clef.answer
+
+        def recorded_answer(loaded, prepared, logits):
+            forwards_when_answered[prepared.encoded.record_id] = len(held.batches)
+            return answer(loaded, prepared, logits)
+
+        monkeypatch.setattr(serve_clef, "answer", recorded_answer)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            second = pool.submit(post, base_url, request_with_id(1))
+            time.sleep(1.0)  # r1 prepared and waiting
+            held.go.set()
+            responses = [first.result(), second.result()]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches == [["r0"], ["r1"]]
+    assert forwards_when_answered == {"r0": 2, "r1": 2}
