@@ -1878,6 +1878,19 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def batch_to_device(value: Any, device: torch.device) -> Any:
+    """A batch the decision module collated on the host (dicts and lists of tensors and other values) with every
+    tensor copied to `device` without waiting (host_to_device). Collated straight onto the device, each of its
+    tensors, the media's among them, is a copy from pageable memory that holds the host until it is done."""
+    if isinstance(value, torch.Tensor):
+        return host_to_device(value, device) if value.device.type == "cpu" else value
+    if type(value) is dict:
+        return {key: batch_to_device(item, device) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(batch_to_device(item, device) for item in value)
+    return value
+
+
 def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Rows of a host table [V, D] (row_ids int64 [N], on the host) on `device` -> [N, D]. Gathered straight into
     pinned memory on CUDA (one copy fewer than host_to_device; 5 ms of an 8k-token forward on an H200 when it was a
@@ -1960,7 +1973,7 @@ class PackedTextDecoder(torch.nn.Module):
             static_embeds[0, total:].zero_()
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
-            static_cu_seq_lens.copy_(torch.tensor(boundaries, dtype=torch.int32))
+            static_cu_seq_lens.copy_(host_to_device(torch.tensor(boundaries, dtype=torch.int32), static_embeds.device))
             if self.deepstack_tokens:  # an earlier batch's features, perhaps past this bucket: back to zeros
                 _, _, _, all_deepstack, _ = self.static_buffers  # [D, 1, Lmax, H], not just this bucket's view
                 all_deepstack[:, :, :self.deepstack_tokens].zero_()
@@ -2536,8 +2549,8 @@ def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], lis
     """
     device = next(loaded.model.parameters()).device
     try:
-        batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, device)
-        host_logits, copied = logits_to_host(loaded.model._forward_unpadded(batch))
+        batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")
+        host_logits, copied = logits_to_host(loaded.model._forward_unpadded(batch_to_device(batch, device)))
     except torch.OutOfMemoryError:
         pass  # retried below, once the exception (and the frames it holds) has let go of the batch's memory
     else:

@@ -134,6 +134,20 @@ def test_logits_to_host_keeps_each_record_s_questions_in_order():
             assert host_question.device.type == "cpu" and torch.equal(host_question, question)
 
 
+def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_requests):
+    """The decision module's collation, made on the host and then moved, holds the same keys, values and records."""
+    encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in mixed_requests]
+    batch = loaded.schema.collate_records(encoded, loaded.processor.tokenizer.pad_token_id, "cpu")
+    moved = serve_clef.batch_to_device(batch, torch.device("cpu"))
+    assert moved.keys() == batch.keys() and moved["records"] == batch["records"]
+    assert all(a is b for a, b in zip(moved["records"], batch["records"], strict=True))
+    assert torch.equal(moved["input_ids"], batch["input_ids"])
+    assert torch.equal(moved["attention_mask"], batch["attention_mask"])
+    assert moved["media"].keys() == batch["media"].keys() and "pixel_values_videos" in batch["media"]
+    for key, value in batch["media"].items():
+        assert torch.equal(moved["media"][key], value) if isinstance(value, torch.Tensor) else moved["media"][key] == value
+
+
 def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
     """The thinker's final hidden states [B, L, H] of a batch, collated and run as the decision module runs it."""
     batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")
