@@ -2574,8 +2574,9 @@ def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.
 
 # ==== decisions =======================================================================================================
 # A request is checked field by field (docs/api.md §2) before anything is decoded; then its media are decoded and
-# measured; then the release's own `systemone()` scores it. Decisions run one at a time, on one thread (the server's
-# scoring thread): the device does one decision at a time, and the fast tokenizer is not thread safe.
+# measured, its record is encoded once by the decision module's own `encode_record`, the engine scores it (in the
+# server, in a batch with others) and the module's own answer code answers it. The server prepares requests on one
+# thread (the fast tokenizer is not thread safe) and scores and answers them on another.
 
 MiB = 1024 * 1024
 MAX_QUESTIONS = 64
