@@ -145,7 +145,8 @@ def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_re
     assert torch.equal(moved["attention_mask"], batch["attention_mask"])
     assert moved["media"].keys() == batch["media"].keys() and "pixel_values_videos" in batch["media"]
     for key, value in batch["media"].items():
-        assert torch.equal(moved["media"][key], value) if isinstance(value, torch.Tensor) else moved["media"][key] == value
+        moved_value = moved["media"][key]
+        assert torch.equal(moved_value, value) if isinstance(value, torch.Tensor) else moved_value == value
 
 
 def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
