@@ -3400,8 +3400,9 @@ class ClefService:
     decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
     thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
-    over the budget runs alone), queues their forward on the device, and only then answers the records of the
-    forward before it, while the device runs this one. At most `max_queue` requests wait or run (503 with
+    over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
+    takes, it is queued before the records of the forward before it are answered, so that the device runs it while
+    the host answers; otherwise those records are answered first, and the requests their clients send next join it. At most `max_queue` requests wait or run (503 with
     Retry-After beyond), and a request still unscored after `request_timeout` seconds gets 503.
     """
 
@@ -3479,10 +3480,17 @@ class ClefService:
                 if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
                     batch.append(job)
                     tokens += job.prepared.tokens
+            if running is not None and len(batch) == len(backlog):
+                # Everything waiting fits in one forward: answer the running one's records first, so that the requests
+                # their clients send next can join this forward rather than wait a whole forward longer.
+                self.answer_batch(*running)
+                running = None
+                continue
             backlog = [job for job in backlog if job not in batch]
-            # The next forward is queued before the last one's records are answered: the device runs it while the
-            # host answers (and the HTTP and preparing threads, woken by the answers, take Python's lock).
-            queued = self.queue_batch(batch) if batch else None
+            # More is waiting than one forward takes: the next forward is queued before the last one's records are
+            # answered, and the device runs it while the host answers (and the HTTP and preparing threads, woken by
+            # the answers, take Python's lock).
+            queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
                 self.answer_batch(*running)
             running = queued

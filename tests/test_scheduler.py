@@ -120,19 +120,43 @@ def test_the_request_of_a_client_that_went_away_is_not_scored(loaded, monkeypatc
     assert held.batches == [["r0"], ["r2"]]
 
 
+@contextlib.contextmanager
+def answers_recorded(monkeypatch, held):
+    """{record id: forwards queued by the time the record was answered}, filled while the block runs."""
+    forwards_when_answered = {}
+    answer = serve_clef.answer
+
+    def recorded_answer(loaded, prepared, logits):
+        forwards_when_answered[prepared.encoded.record_id] = len(held.batches)
+        return answer(loaded, prepared, logits)
+
+    monkeypatch.setattr(serve_clef, "answer", recorded_answer)
+    yield forwards_when_answered
+
+
 def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(loaded, monkeypatch):
-    """While the device runs a forward, the host answers the records of the one before it: a batch that is waiting
-    when a forward ends goes to the device before that forward's records are answered."""
+    """While the device runs a forward, the host answers the records of the one before it: when more is waiting than
+    one forward takes, the next forward goes to the device before the last one's records are answered."""
+    tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
+    with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens + 2)) as (base_url, held):
+        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            rest = [pool.submit(post, base_url, request_with_id(number)) for number in (1, 2)]
+            time.sleep(1.0)  # r1 and r2 prepared and waiting: two forwards' worth under this budget
+            held.go.set()
+            responses = [first.result(), *(future.result() for future in rest)]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches == [["r0"], ["r1"], ["r2"]]
+    # r0 answered after r1 was queued (r2 still waiting); r1 before r2 was queued (r2 alone fits in one forward)
+    assert forwards_when_answered == {"r0": 2, "r1": 2, "r2": 3}
+
+
+def test_what_fits_in_one_forward_waits_for_the_last_one_s_records_to_be_answered(loaded, monkeypatch):
+    """When everything waiting fits in one forward, the running forward's records are answered before the next
+    forward is queued, so that the requests their clients send next can still join it."""
     with server_with_held_device(loaded, monkeypatch) as (base_url, held):
-        forwards_when_answered = {}  # record id -> forwards queued by the time it was answered
-        answer = serve_clef.answer
-
-        def recorded_answer(loaded, prepared, logits):
-            forwards_when_answered[prepared.encoded.record_id] = len(held.batches)
-            return answer(loaded, prepared, logits)
-
-        monkeypatch.setattr(serve_clef, "answer", recorded_answer)
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
             second = pool.submit(post, base_url, request_with_id(1))
@@ -141,4 +165,4 @@ def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(l
             responses = [first.result(), second.result()]
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1"]]
-    assert forwards_when_answered == {"r0": 2, "r1": 2}
+    assert forwards_when_answered == {"r0": 1, "r1": 2}
