@@ -1873,9 +1873,19 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     first waits for all the work queued on the device, so one inside a forward would hold the host until the GPU
     catches up, instead of letting it queue the next kernels while the GPU runs the last (the joint head's ~1,300
     launches behind the decoder's graph)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    on_device = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    if on_device is not host:
+        on_device.host_copy = host  # what host_values reads instead of the device
+    return on_device
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The values of `tensor` on the host: the host tensor it was copied from when host_to_device made it, else read
+    back from the device. A read-back waits for everything queued on the device before it; in a batch queued while
+    the device still runs the last one, it would hold the host until that forward ends, and the device would then
+    idle while the host queues this one. (A batch's tensors are never written in place, so the copy stays true.)"""
+    host_copy = getattr(tensor, "host_copy", None)
+    return tensor.cpu() if host_copy is None else host_copy
 
 
 def batch_to_device(value: Any, device: torch.device) -> Any:
@@ -1939,9 +1949,8 @@ class PackedTextDecoder(torch.nn.Module):
         # inputs_embeds [B, L, H], position_ids [P, B, L], attention_mask [B, L] (1 on real tokens, right-padded)
         self.position_rows = position_ids.shape[0]
         batch, length, hidden = inputs_embeds.shape
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, length, dtype=torch.bool, device=inputs_embeds.device)
-        record_lengths = attention_mask.sum(-1).tolist()  # one host read per forward, before any graph
+        # each record's real tokens, from the host copy of the mask (its read-back would wait for the device)
+        record_lengths = [length] * batch if attention_mask is None else host_values(attention_mask).sum(-1).tolist()
         if batch > MAX_RECORDS_PER_FORWARD:
             raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
         # the real tokens' rows of [B*L], record after record: an index made on the host, because a boolean mask
@@ -2062,8 +2071,8 @@ class PackedTextDecoder(torch.nn.Module):
 
 class HostEmbedding(torch.nn.Module):
     """Stands in for a table that is only looked up, never multiplied, with the table in host memory: the text
-    decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, after one
-    read of the token ids that the forward does anyway; and the output embeddings (the lm_head's weight), of which
+    decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, from the
+    host copy of the token ids (host_values); and the output embeddings (the lm_head's weight), of which
     the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
     (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free per table."""
 
@@ -2073,7 +2082,8 @@ class HostEmbedding(torch.nn.Module):
         self.weight = embedding.weight.detach().cpu()  # [V, H]; a plain attribute: .to() leaves it here
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, L] -> [B, L, H]
-        return host_rows_to_device(self.weight, input_ids.cpu().reshape(-1), self.device).view(*input_ids.shape, -1)
+        return host_rows_to_device(self.weight, host_values(input_ids).reshape(-1), self.device).view(
+            *input_ids.shape, -1)
 
 
 def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
@@ -2103,7 +2113,7 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
     grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: N images or videos, t/h/w patches
     if "cu_seqlens" in kwargs:  # the caller computed them already
         return args, kwargs
-    host_grid = grid_thw.cpu()  # [N, 3]
+    host_grid = host_values(grid_thw)  # [N, 3]
     interp_indices, interp_weights = vision_utils.get_vision_interpolation_indices_and_weights(
         host_grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
@@ -3402,8 +3412,9 @@ class ClefService:
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
     over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
     takes, it is queued before the records of the forward before it are answered, so that the device runs it while
-    the host answers; otherwise those records are answered first, and the requests their clients send next join it. At most `max_queue` requests wait or run (503 with
-    Retry-After beyond), and a request still unscored after `request_timeout` seconds gets 503.
+    the host answers; otherwise those records are answered first, and the requests their clients send next join it.
+    At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
+    `request_timeout` seconds gets 503.
     """
 
     def __init__(self, args: argparse.Namespace, load: Callable[..., LoadedClef]):

@@ -14,7 +14,7 @@ All of them score with the batched joint head, which the load checked against th
 
 Gates (exit status 1 when one fails): engine alone vs transformers' decoder, the batch vs each record alone and the
 towers' two attentions, at most twice the floor plus 0.005; the same request and the same batch bit-identical run
-after run.
+after run; a text batch queued while the device runs another waits for nothing on the device.
 
 Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json when OUT is set)
 """
@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -248,6 +249,26 @@ def main() -> int:
         results[f"forward_{records}_records_ms"] = round(batch_ms, 1)
         print(f"one forward of {records} records ({batch_tokens} tokens): {batch_ms:.1f} ms, "
               f"{batch_tokens / batch_ms * 1000:,.0f} tokens/s")
+    # The server queues the next forward while the device still runs the last: queueing it must not wait for the
+    # device (each wait would leave the device idle while the host finishes queueing). Counted by torch's sync debug
+    # mode, which warns on every host-device synchronisation.
+    running = serve_clef.queue_forward(loaded, [record.encoded for record in prepared])
+    started = time.perf_counter()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        following = serve_clef.queue_forward(loaded, [record.encoded for record in prepared[:4]])
+    torch.cuda.set_sync_debug_mode(0)
+    queued_ms = (time.perf_counter() - started) * 1000
+    running()
+    running_ms = (time.perf_counter() - started) * 1000
+    following()
+    syncs = sum("synchroniz" in str(warning.message) for warning in caught)
+    results["queued_behind_a_forward"] = {"syncs": syncs, "queueing_ms": round(queued_ms, 1),
+                                          "running_forward_left_ms": round(running_ms, 1)}
+    checks["a text batch queued behind a running forward waits for nothing on the device"] = syncs == 0
+    print(f"4 records queued behind a forward of 16: {syncs} host-device synchronisations, the host held "
+          f"{queued_ms:.1f} ms of the {running_ms:.1f} ms the forward of 16 still ran")
     profile = profile_decision(lambda _: serve_clef.score_records(loaded, [r.encoded for r in prepared]), None,
                                PROFILED_KERNELS_REPORTED)
     results["profile_batch_16"] = {**profile, "tokens": tokens}

@@ -149,6 +149,20 @@ def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_re
         assert torch.equal(moved_value, value) if isinstance(value, torch.Tensor) else moved_value == value
 
 
+def test_a_batch_moved_to_the_device_is_read_from_its_host_copy():
+    """What the forward reads on the host of a batch host_to_device moved (the token ids, for the embedding lookups)
+    comes from the host tensor it was copied from, never back from the device: the meta device keeps no values, so
+    a read-back from it raises."""
+    token_ids = torch.tensor([[5, 7, 9], [3, 0, 0]])  # [B, L]
+    on_device = serve_clef.host_to_device(token_ids, torch.device("meta"))
+    assert on_device.device.type == "meta" and serve_clef.host_values(on_device) is token_ids
+    embedding = serve_clef.HostEmbedding(torch.nn.Embedding(16, 4))
+    embedding.device = torch.device("meta")
+    looked_up = embedding(on_device)
+    assert looked_up.device.type == "meta" and looked_up.shape == (2, 3, 4)
+    assert torch.equal(serve_clef.host_values(token_ids), token_ids)  # a tensor made elsewhere: its own values
+
+
 def thinker_hidden_states(loaded, encoded_records: list) -> torch.Tensor:
     """The thinker's final hidden states [B, L, H] of a batch, collated and run as the decision module runs it."""
     batch = loaded.schema.collate_records(encoded_records, loaded.processor.tokenizer.pad_token_id, "cpu")
