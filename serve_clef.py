@@ -2548,9 +2548,9 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
 @torch.inference_mode()
 def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], list[list[torch.Tensor] | None]]:
     """Queue one forward of a batch of encoded records on the device, and return `wait`: wait() blocks until it has
-    run and returns each record's option logits per question (in host memory). The host is free in between: with a
-    full batch waiting, the server queues the next batch's forward before it answers this one's records, so that the
-    device has work while the host answers.
+    run and returns each record's option logits per question (in host memory). The host is free in between: when
+    more is waiting than one forward takes, the server queues the next batch's forward before it answers this one's
+    records, so that the device has work while the host answers.
 
     The batch is the decision module's own collation (right-padded, media concatenated) through its own
     `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
