@@ -3163,6 +3163,11 @@ KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this l
 SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
+# After answering a forward's records while less than a forward's worth waits, the scorer gives their clients this
+# long to send their next requests, so that those join the next forward instead of waiting a whole forward behind it
+# (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
+# client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
+REJOIN_WAIT_S = 0.015
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -3412,7 +3417,8 @@ class ClefService:
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
     over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
     takes, it is queued before the records of the forward before it are answered, so that the device runs it while
-    the host answers; otherwise those records are answered first, and the requests their clients send next join it.
+    the host answers; otherwise those records are answered first, and the requests their clients send next join it
+    (the scorer waits up to REJOIN_WAIT_S for them).
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
@@ -3477,12 +3483,19 @@ class ClefService:
         self.load_in_background()
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
         running = None  # (batch, when its forward was queued, its wait) of the forward queued last, not yet answered
+        rejoin = None  # (records to wait for, until when): the clients just answered may send their next requests
         while self.loaded is not None:
             if not backlog and running is None:
                 backlog.append(self.prepared.get())
             with contextlib.suppress(queue.Empty):
                 while True:
                     backlog.append(self.prepared.get_nowait())
+            while rejoin is not None and len(backlog) < rejoin[0] and not self.fills_a_forward(backlog):
+                try:
+                    backlog.append(self.prepared.get(timeout=max(0.0, rejoin[1] - time.perf_counter())))
+                except queue.Empty:  # the clients answered last did not all send again in time
+                    break
+            rejoin = None
             backlog = [job for job in backlog if self.still_wanted(job)]
             batch, tokens = [], 0
             for job in backlog:
@@ -3492,9 +3505,11 @@ class ClefService:
                     batch.append(job)
                     tokens += job.prepared.tokens
             if running is not None and len(batch) == len(backlog):
-                # Everything waiting fits in one forward: answer the running one's records first, so that the requests
-                # their clients send next can join this forward rather than wait a whole forward longer.
+                # Everything waiting fits in one forward: answer the running one's records first, and give their
+                # clients REJOIN_WAIT_S to send their next requests, so that those join this forward rather than wait
+                # a whole forward longer.
                 self.answer_batch(*running)
+                rejoin = (len(backlog) + len(running[0]), time.perf_counter() + REJOIN_WAIT_S)
                 running = None
                 continue
             backlog = [job for job in backlog if job not in batch]
@@ -3505,6 +3520,10 @@ class ClefService:
             if running is not None:
                 self.answer_batch(*running)
             running = queued
+
+    def fills_a_forward(self, jobs: list[DecisionJob]) -> bool:
+        return (len(jobs) >= MAX_RECORDS_PER_FORWARD
+                or sum(job.prepared.tokens for job in jobs) >= self.args.max_batch_tokens)
 
     def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, Callable] | None:
         forward_started = time.perf_counter()

@@ -166,3 +166,31 @@ def test_what_fits_in_one_forward_waits_for_the_last_one_s_records_to_be_answere
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1"]]
     assert forwards_when_answered == {"r0": 1, "r1": 2}
+
+
+def test_the_answered_clients_next_requests_join_the_forward_that_waits_for_them(loaded, monkeypatch):
+    """After answering a forward while less than a forward's worth waits, the scorer gives the answered clients time
+    to send again: a client answered by one forward and a request that waited through it share the next forward."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)  # long enough for any machine's round trip
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            client = pool.submit(lambda: [post(base_url, request_with_id(0)), post(base_url, request_with_id(2))])
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            waiting = pool.submit(post, base_url, request_with_id(1))
+            time.sleep(1.0)  # r1 prepared and waiting
+            held.go.set()
+            responses = [*client.result(), waiting.result()]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches == [["r0"], ["r1", "r2"]]
+
+
+def test_a_lone_client_s_next_request_does_not_wait_to_be_joined(loaded, monkeypatch):
+    """With nothing else waiting, a client's next request is scored as soon as it is prepared."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        held.go.set()
+        assert post(base_url, request_with_id(0)).status_code == 200
+        started = time.perf_counter()
+        assert post(base_url, request_with_id(1)).status_code == 200
+        assert time.perf_counter() - started < TIMEOUT_S / 8
+    assert held.batches == [["r0"], ["r1"]]
