@@ -3490,7 +3490,8 @@ class ClefService:
             with contextlib.suppress(queue.Empty):
                 while True:
                     backlog.append(self.prepared.get_nowait())
-            while rejoin is not None and len(backlog) < rejoin[0] and not self.fills_a_forward(backlog):
+            while (rejoin is not None and len(backlog) < min(rejoin[0], MAX_RECORDS_PER_FORWARD)
+                   and sum(job.prepared.tokens for job in backlog) < self.args.max_batch_tokens):
                 try:
                     backlog.append(self.prepared.get(timeout=max(0.0, rejoin[1] - time.perf_counter())))
                 except queue.Empty:  # the clients answered last did not all send again in time
@@ -3520,10 +3521,6 @@ class ClefService:
             if running is not None:
                 self.answer_batch(*running)
             running = queued
-
-    def fills_a_forward(self, jobs: list[DecisionJob]) -> bool:
-        return (len(jobs) >= MAX_RECORDS_PER_FORWARD
-                or sum(job.prepared.tokens for job in jobs) >= self.args.max_batch_tokens)
 
     def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, Callable] | None:
         forward_started = time.perf_counter()

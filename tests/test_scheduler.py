@@ -13,7 +13,7 @@ import requests
 
 import serve_clef
 from test_http import (GOOD_REQUEST, SERVER_ARGS, TIMEOUT_S, args, check_error_body, loaded,  # noqa: F401 (fixtures)
-                       serve_in_thread, wait_until_ready)
+                       metric_value, serve_in_thread, wait_until_ready)
 
 
 def server_args(*flags: str):
@@ -55,6 +55,15 @@ def request_with_id(number: int) -> dict:
 
 def post(base_url: str, body: dict) -> requests.Response:
     return requests.post(f"{base_url}/v1/systemone", json=body, timeout=TIMEOUT_S)
+
+
+def wait_until_queued(base_url: str, requests_queued: int) -> None:
+    """Until the server holds this many requests (waiting or in a forward): what was sent so far has arrived."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while metric_value(requests.get(f"{base_url}/metrics", timeout=TIMEOUT_S).text,
+                       "serve_clef_queue_depth") < requests_queued:
+        assert time.monotonic() < deadline, f"{requests_queued} requests did not arrive"
+        time.sleep(0.02)
 
 
 def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monkeypatch):
@@ -142,7 +151,10 @@ def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(l
         with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
-            rest = [pool.submit(post, base_url, request_with_id(number)) for number in (1, 2)]
+            rest = []
+            for number in (1, 2):  # r1 arrives before r2
+                rest.append(pool.submit(post, base_url, request_with_id(number)))
+                wait_until_queued(base_url, number + 1)
             time.sleep(1.0)  # r1 and r2 prepared and waiting: two forwards' worth under this budget
             held.go.set()
             responses = [first.result(), *(future.result() for future in rest)]
