@@ -206,3 +206,22 @@ def test_a_lone_client_s_next_request_does_not_wait_to_be_joined(loaded, monkeyp
         assert post(base_url, request_with_id(1)).status_code == 200
         assert time.perf_counter() - started < TIMEOUT_S / 8
     assert held.batches == [["r0"], ["r1"]]
+
+
+def test_a_forward_s_worth_waiting_is_not_held_for_the_answered_clients(loaded, monkeypatch):
+    """The wait for the answered clients ends as soon as a forward's worth of tokens waits: r1, alone a whole
+    forward under this budget, goes to the device as soon as r0 is answered."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
+    tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
+    with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens)) as (base_url, held):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            waiting = pool.submit(post, base_url, request_with_id(1))
+            wait_until_queued(base_url, 2)
+            time.sleep(1.0)  # r1 prepared and waiting
+            released = time.perf_counter()
+            held.go.set()
+            assert waiting.result().status_code == 200 and first.result().status_code == 200
+            assert time.perf_counter() - released < TIMEOUT_S / 8
+    assert held.batches == [["r0"], ["r1"]]
