@@ -21,9 +21,9 @@
 """serve_clef: serve Clef-Omni decisions from an NVFP4 (ModelOpt) checkpoint on one GPU.
 
 Sections, top to bottom, in the order data flows: the command line's flags (parsed before the heavy imports, so that
---help answers at once), packed experts (the NVFP4 format, the activation replay, the Triton packed-expert kernels, the
-experts module), checkpoint loading, the engine (the text decoder in CUDA graphs), decisions (requests), HTTP, running
-the command line.
+--help answers at once), packed experts (the NVFP4 format, the activation replay, the Triton packed-expert kernels,
+their Gluon counterparts for Hopper GPUs, the experts module), checkpoint loading, the engine (the text decoder in
+CUDA graphs), decisions (requests), HTTP, running the command line.
 Dimension letters in shape comments: T tokens, E experts, H hidden, I expert width, K experts per token (top-k),
 S (token, expert) pairs, P padded slots, R/N/C the rows, output columns and reduced columns of a kernel tile.
 """
@@ -72,7 +72,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 DEFAULT_MODEL = "dbirks/clef-omni-nvfp4"
 DEFAULT_MAX_LENGTH = 64_000  # tokens, the decision API's default context (joint_schema_model.DEFAULT_MAX_LENGTH)
-EXPERT_KERNELS = ("auto", "triton", "unpack", "native")
+EXPERT_KERNELS = ("auto", "gluon", "triton", "unpack", "native")
 DEFAULT_MAX_BATCH_TOKENS = 8192  # tokens per forward: the largest CUDA-graph bucket (DECODER_BUCKETS)
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
@@ -125,9 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--expert-kernels",
         choices=EXPERT_KERNELS,
         default="auto",
-        help="How packed NVFP4 experts compute. triton: kernels that read the packed weights directly (CUDA; on CPU "
-        "only under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped "
-        "GEMM (the reference); native: FP4 tensor cores (not built yet). Default auto: triton on CUDA, unpack on CPU.",
+        help="How packed NVFP4 experts compute. gluon: Hopper kernels (compute capability 9.0) that read the packed "
+        "weights directly, W4A16; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only "
+        "under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM "
+        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU without "
+        "--simulate-fp4-activations, triton on other CUDA GPUs, unpack on CPU.",
     )
     parser.add_argument(
         "--max-length",
@@ -177,6 +179,10 @@ import torch
 import transformers
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -344,26 +350,29 @@ def _e2m1_times_block_scale(codes, block_scales_x2p6):
 # the two halves of a register, and each nibble's 3 magnitude bits go to BF16's lowest exponent bits and top mantissa
 # bit and its sign bit to BF16's sign, which reads as e2m1 * 2**-126 (0.5 lands on a BF16 subnormal, multiplied
 # exactly). One fused multiply-add per two weights by the block scale times 2**118 (the most that keeps 448 * 2**k
-# finite in BF16) leaves e2m1 * block_scale * 2**-8. $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3, $2 $3:
-# the high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
+# finite in BF16) leaves e2m1 * block_scale * 2**-8. Here $0 $1: the low nibbles (even columns) of bytes 0-1 and 2-3,
+# $2 $3: the high nibbles (odd columns); $4: the four bytes; $5 $6: their scales times 2**118, BF16 pairs.
 # Both decodes give e2m1 * block_scale / DECODED_WEIGHT_DIVISOR; the kernels' epilogues multiply it back.
 DECODED_WEIGHT_DIVISOR = tl.constexpr(2.0 ** 8)
 BLOCK_SCALE_TO_DECODE = tl.constexpr(2.0 ** 126 / DECODED_WEIGHT_DIVISOR)  # the PTX's e2m1 reads as e2m1 * 2**-126
 
 
-def decode_e2m1_ptx() -> str:
+def decode_e2m1_ptx(spreads: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...]) -> str:
+    """The decode of the four code bytes in $4: per (byte selector, (low-nibble output, high-nibble output), (their
+    scale registers)), two bytes spread to a register's halves and each of their nibbles decoded into a BF16 pair."""
     lines = [".reg .b32 spread, magnitude, sign, negative_zero;", "mov.b32 negative_zero, 0x80008000;"]
-    for selector, scales, outputs in (("0x4140", "$5", ("$0", "$2")), ("0x4342", "$6", ("$1", "$3"))):
+    for selector, outputs, scales in spreads:
         lines.append(f"prmt.b32 spread, $4, 0, {selector};")  # bytes 0, 1 (or 2, 3) to bits 0-7 and 16-23
-        for output, shift in zip(outputs, (6, 2)):  # the low nibble's bits 0-3, then the high nibble's 4-7
+        for output, scale, shift in zip(outputs, scales, (6, 2)):  # the low nibble's bits 0-3, then the high's 4-7
             lines += [f"shl.b32 magnitude, spread, {shift}; and.b32 magnitude, magnitude, 0x01C001C0;",
                       f"shl.b32 sign, spread, {shift + 6}; and.b32 sign, sign, 0x80008000;",
                       "or.b32 magnitude, magnitude, sign;",
-                      f"fma.rn.bf16x2 {output}, magnitude, {scales}, negative_zero;"]
+                      f"fma.rn.bf16x2 {output}, magnitude, {scale}, negative_zero;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-DECODE_E2M1_PTX = tl.constexpr(decode_e2m1_ptx())
+DECODE_E2M1_PTX = tl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$2"), ("$5", "$5")),
+                                                ("0x4342", ("$1", "$3"), ("$6", "$6")))))
 
 
 @triton.jit
@@ -700,11 +709,12 @@ EXPERT_TILES = (
 )
 
 
-def expert_tiles(num_pairs: int, num_experts: int) -> ExpertTiles:
-    for most_pairs_per_expert, tiles in EXPERT_TILES:
+def expert_tiles(num_pairs: int, num_experts: int, table: tuple = EXPERT_TILES) -> ExpertTiles:
+    """The row of `table` (EXPERT_TILES or FRAGMENT_TILES) for this many pairs: the first whose bound they fit."""
+    for most_pairs_per_expert, tiles in table:
         if most_pairs_per_expert is None or num_pairs <= most_pairs_per_expert * num_experts:
             return tiles
-    raise AssertionError("EXPERT_TILES ends with a catch-all row")
+    raise AssertionError("a tile table ends with a catch-all row")
 
 
 def fitted_block(block: int, size: int) -> int:
@@ -712,6 +722,249 @@ def fitted_block(block: int, size: int) -> int:
     while size % block:
         block //= 2
     return block
+
+
+# ==== packed-expert kernels for Hopper (Gluon) ========================================================================
+# The same two grouped GEMMs for Hopper GPUs (compute capability 9.0), in Gluon, Triton's lower-level dialect, where a
+# kernel states its register layouts. The decoded weights are the tensor cores' left operand straight from registers:
+# out^T = W x^T, 64 weight rows of a projection (a slab) as the products' M and the routed rows as their N, so no
+# decoded tile goes through shared memory (where the Triton kernels' time goes: docs/expert-kernels.md). For that the
+# codes are rewritten once, at load, in fragment order: each 32-bit word holds the eight weights that one thread holds
+# in its operand registers for one k16 slice, so a thread reads its four words of a step in one 16-byte load and hands
+# each word whole to the decode PTX; the e4m3 block scales stay as the checkpoint has them, four (a row's step) read as
+# one word. The activations (gate_up: gathered by token; down: the intermediate rows) go through a ring of cp.async
+# copies in shared memory, the tensor cores' right operand. W4A16 only: the W4A4 replay runs the Triton kernels.
+# Gluon has no interpreter, so these kernels run on the GPU only: bench/check_expert_kernels.py compares them there
+# with the unpack reference, and the tests check on CPU the fragment order and the decode PTX, instruction by
+# instruction.
+#
+# The operand's register layout (Hopper's wgmma A fragment, BF16): thread (warp w, lane 4 rl + q) holds, of k16 slice
+# s, the weights at rows r = 16 w + rl + 8 e and reduced columns 16 s + 8 h + 2 q + p, for e, h, p in {0, 1}, in its
+# registers in the order j = p + 2 e + 4 h. Its word for slice s carries weight j in the nibble the decode reads it
+# from: j0 j1 the low nibbles of bytes 0 and 1, j2 j3 their high nibbles, j4-j7 the same of bytes 2 and 3.
+FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
+FRAGMENT_STEP = gl.constexpr(64)  # reduced columns per step: four k16 slices
+FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weights each
+# words [w, rl, q, s]: lanes (rl, q), warps w, a thread's four words of a step in its registers (one 16-byte load)
+FRAGMENT_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+FRAGMENT_ROWS_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte copies of [R, 64]
+FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12", "$13")),
+                                                  ("0x4342", ("$2", "$3"), ("$14", "$15")))))
+# Rows R per routed tile and pipeline stages by mean pairs per expert (T * K / E); on an H200 (2026-12-04,
+# docs/benchmarks.md) R = 32 was the fastest at 64 tokens, 64 at 512 and 2,048, 128 at 8,192. Where one row gives way
+# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+FRAGMENT_TILES = (
+    (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
+    (256, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
+    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
+)
+
+
+def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes uint8 [E, O, C/2] (two E2M1 codes a byte, column 2i in the low nibble) -> int32 words
+    [E, O/64 slabs, C/64 steps, 512] in fragment order: word (w, rl, q, s) of a slab's step, as the comment above."""
+    num_experts, rows, half_columns = packed_codes.shape
+    slabs, steps = rows // 64, half_columns * 2 // 64
+    codes = torch.stack((packed_codes & 0xF, packed_codes >> 4), dim=-1)  # [E, O, C/2, 2]: one code a byte
+    # row = 64 slab + 16 w + 8 e + rl; column = 64 step + 16 s + 8 h + 2 q + p
+    codes = codes.view(num_experts, slabs, 4, 2, 8, steps, 4, 2, 4, 2)  # E slab w e rl step s h q p
+    codes = codes.permute(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(num_experts, slabs, steps, 512, 8)
+    byte_of = ((0, 2), (1, 3), (4, 6), (5, 7))  # (low nibble, high nibble) of word byte b: the weights j
+    word_bytes = torch.stack([codes[..., low] | (codes[..., high] << 4) for low, high in byte_of], dim=-1)
+    return word_bytes.contiguous().view(torch.int32).squeeze(-1)  # [E, O/64, C/64, 512]
+
+
+@gluon.jit
+def _repeat_eight(x):
+    """[...] -> [..., 2, 2, 2]: each element repeated in its own thread's registers (no instruction)."""
+    x = gl.join(x, x)
+    x = gl.join(x, x)
+    return gl.join(x, x)
+
+
+@gluon.jit
+def _fragment_scales(scale_words, byte_shifts):
+    """int32 [w, rl, q]: a row's four e4m3 block scales of a step -> BF16 [w, rl, q, s], times 2**118 (exact)."""
+    scale_bytes = ((gl.expand_dims(scale_words, 3) >> byte_shifts) & 0xFF).to(gl.uint8)
+    scales = scale_bytes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_TO_DECODE
+    return scales.to(gl.bfloat16)
+
+
+@gluon.jit
+def _decode_fragment_step(words, scale_words, scale_words_8, byte_shifts, DOT_A: gl.constexpr):
+    """One step of a slab: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the weights BF16
+    [64 rows, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register layout; asserted, so no
+    data moves between threads)."""
+    scales, scales_8 = _fragment_scales(scale_words, byte_shifts), _fragment_scales(scale_words_8, byte_shifts)
+    scales = gl.join(gl.join(scales, scales), gl.join(scales_8, scales_8))  # [w, rl, q, s, h, e]
+    scales = gl.join(scales, scales)  # [w, rl, q, s, h, e, p]
+    # not pure: the compiler keeps the decode where it is written, between the products it overlaps and their wait
+    weights = gl.inline_asm_elementwise(FRAGMENT_WORD_PTX, "=r,=r,=r,=r" + ",r" * 12, [_repeat_eight(words), scales],
+                                        dtype=gl.bfloat16, is_pure=False, pack=8)  # [w, rl, q, s, h, e, p]
+    weights = gl.permute(weights, (0, 5, 1, 3, 4, 2, 6))  # [w, e, rl, s, h, q, p]: row, then column order
+    return gl.convert_layout(gl.reshape(weights, [FRAGMENT_ROWS, FRAGMENT_STEP]), DOT_A, assert_trivial=True)
+
+
+@gluon.jit
+def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced):
+    """Pointers to step 0 of a slab: its words [w, rl, q, s] and row r's scale word [w, rl, q] (row r + 8's lie
+    8 * reduced / 64 further), and the byte shifts [1, 1, 1, s] that take a slice's scale out of a scale word."""
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
+    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, FRAGMENT_WORDS))))
+    s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, FRAGMENT_WORDS))))
+    w = gl.expand_dims(gl.expand_dims(gl.expand_dims(w, 1), 2), 3)
+    rl = gl.expand_dims(gl.expand_dims(gl.expand_dims(rl, 0), 2), 3)
+    q = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 1), 3)
+    s = gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 0), 1), 2)
+    first_word = slab.to(gl.int64) * num_steps * FRAGMENT_STEP_WORDS
+    words_ptr = fragment_words_ptr + first_word + ((w * 8 + rl) * 4 + q) * 4 + s  # [w, rl, q, s]
+    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r of the slab
+    scales_ptr = block_scales_ptr + (slab.to(gl.int64) * FRAGMENT_ROWS + rows) * (reduced // 64)
+    return words_ptr, scales_ptr, s * 8
+
+
+@gluon.jit
+def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
+    """A slab's codes and block scales of one step, as _decode_fragment_step takes them."""
+    return (gl.load(words_ptr + step * FRAGMENT_STEP_WORDS), gl.load(scales_ptr + step),
+            gl.load(scales_ptr + 8 * (reduced // 64) + step))
+
+
+@gluon.jit
+def nvfp4_gate_up_fragment_kernel(
+    hidden_states_ptr,  # BF16 [T, H]
+    slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
+    fragment_words_ptr,  # int32 [E, 2I/64, H/64, 512]: gate slabs, then up slabs, in fragment order
+    block_scales_ptr,  # int32 [E, 2I, H/64]: the e4m3 block scales, four to a word
+    global_scale_ptr,  # fp32 [E, 2]
+    intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot
+    num_experts, hidden, width, top_k,
+    BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+):
+    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of both gate and up
+    expert = gl.load(tile_experts_ptr + tile)
+    if expert < num_experts:
+        ACCUMULATOR: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_R, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
+        num_steps = hidden // FRAGMENT_STEP
+        gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
+        gate_words_ptr, gate_scales_ptr, byte_shifts = _fragment_step_pointers(
+            fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
+        up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
+            fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
+        # the tile's token rows, gathered by cp.async into the ring (padding slots read zeros)
+        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
+        pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R
+                        + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY)))
+        tokens = gl.where(pairs >= 0, pairs // top_k, 0).to(gl.int64)
+        rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
+        rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
+        rows_mask = rows_mask[0] & rows_mask[1]
+        for first in gl.static_range(STAGES - 1):
+            async_copy.async_copy_global_to_shared(ring.index(first), rows_ptr + first * FRAGMENT_STEP, mask=rows_mask)
+            async_copy.commit_group()
+        # Step 0 decoded, step 1's codes in registers. Each step loads step + 2's codes and decodes step + 1's while
+        # its own products run; the products' weights are kept until their wait, since the tensor cores read them
+        # from the registers while the products run.
+        gate_weights = _decode_fragment_step(*_load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, 0),
+                                             byte_shifts, DOT_A)
+        up_weights = _decode_fragment_step(*_load_fragment_step(up_words_ptr, up_scales_ptr, hidden, 0), byte_shifts,
+                                           DOT_A)
+        gate_codes = _load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, gl.minimum(1, num_steps - 1))
+        up_codes = _load_fragment_step(up_words_ptr, up_scales_ptr, hidden, gl.minimum(1, num_steps - 1))
+        gate = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 gate columns, R slots]
+        up = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)
+        for step in range(num_steps):
+            ahead = gl.minimum(step + 2, num_steps - 1)
+            next_gate_codes = _load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, ahead)
+            next_up_codes = _load_fragment_step(up_words_ptr, up_scales_ptr, hidden, ahead)
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()  # every thread's copies of this step are in
+            fence_async_shared()
+            rows = ring.index(step % STAGES).permute((1, 0))  # [64, R]
+            gate = warpgroup_mma(gate_weights, rows, gate, is_async=True)
+            up = warpgroup_mma(up_weights, rows, up, is_async=True)
+            next_gate_weights = _decode_fragment_step(*gate_codes, byte_shifts, DOT_A)
+            next_up_weights = _decode_fragment_step(*up_codes, byte_shifts, DOT_A)
+            gate, up, gate_weights, up_weights = warpgroup_mma_wait(
+                num_outstanding=0, deps=(gate, up, gate_weights, up_weights))
+            async_copy.async_copy_global_to_shared(
+                ring.index((step + STAGES - 1) % STAGES),
+                rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP, mask=rows_mask)
+            async_copy.commit_group()
+            gate_weights, up_weights = next_gate_weights, next_up_weights
+            gate_codes, up_codes = next_gate_codes, next_up_codes
+        async_copy.wait_group(0)
+        # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
+        gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
+        up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
+        gate, up = gate.to(gl.float32), up.to(gl.float32)
+        activated = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        intermediate = (activated * up).to(gl.bfloat16)
+        columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+        slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
+        gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
+
+
+@gluon.jit
+def nvfp4_down_fragment_kernel(
+    intermediate_ptr,  # BF16 [P, I]
+    slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
+    routing_weights_ptr,  # BF16 [S]
+    fragment_words_ptr,  # int32 [E, H/64, I/64, 512]
+    block_scales_ptr,  # int32 [E, H, I/64]
+    global_scale_ptr,  # fp32 [E]
+    pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
+    num_experts, hidden, width,
+    BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+):
+    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 output columns
+    expert = gl.load(tile_experts_ptr + tile)
+    if expert < num_experts:
+        ACCUMULATOR: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_R, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
+        num_steps = width // FRAGMENT_STEP
+        words_ptr, scales_ptr, byte_shifts = _fragment_step_pointers(
+            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab_column, num_steps, width)
+        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
+        copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY))
+        rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
+        for first in gl.static_range(STAGES - 1):
+            async_copy.async_copy_global_to_shared(ring.index(first), rows_ptr + first * FRAGMENT_STEP)
+            async_copy.commit_group()
+        # the pipeline of nvfp4_gate_up_fragment_kernel, with one product
+        weights = _decode_fragment_step(*_load_fragment_step(words_ptr, scales_ptr, width, 0), byte_shifts, DOT_A)
+        codes = _load_fragment_step(words_ptr, scales_ptr, width, gl.minimum(1, num_steps - 1))
+        out = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 output columns, R slots]
+        for step in range(num_steps):
+            next_codes = _load_fragment_step(words_ptr, scales_ptr, width, gl.minimum(step + 2, num_steps - 1))
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()
+            fence_async_shared()
+            out = warpgroup_mma(weights, ring.index(step % STAGES).permute((1, 0)), out, is_async=True)
+            next_weights = _decode_fragment_step(*codes, byte_shifts, DOT_A)
+            out, weights = warpgroup_mma_wait(num_outstanding=0, deps=(out, weights))
+            async_copy.async_copy_global_to_shared(
+                ring.index((step + STAGES - 1) % STAGES),
+                rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP)
+            async_copy.commit_group()
+            weights, codes = next_weights, next_codes
+        async_copy.wait_group(0)
+        # the epilogue of nvfp4_down_kernel
+        out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
+        columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+        pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
+        pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
+        out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
+        mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
+        gl.store(pair_outputs_ptr + pair_rows[None, :] * hidden + columns[:, None], out, mask=mask[0] & mask[1])
 
 
 E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
@@ -758,8 +1011,10 @@ class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
 
     Stands in for transformers' Qwen3OmniMoeThinkerTextExperts, with the same forward signature. `kernels` says how
-    it computes: "triton", the packed-expert kernels above on the packed bytes; "unpack", this layer unpacked to BF16
-    scratch tensors, transformers' grouped_mm experts function on them, then freed (the reference).
+    it computes: "triton", the packed-expert kernels above on the packed bytes; "gluon", the Hopper kernels on the
+    codes rewritten in fragment order (`to_fragment_order`, which replaces each `*_packed_codes` by
+    `*_fragment_words`); "unpack", this layer unpacked to BF16 scratch tensors, transformers' grouped_mm experts
+    function on them, then freed (the reference).
     E experts, H hidden, I expert width, T tokens, K experts per token.
     """
 
@@ -848,6 +1103,14 @@ class PackedNVFP4Experts(torch.nn.Module):
             if (expert, projection, field) not in self.stored
         ]
 
+    @torch.no_grad()
+    def to_fragment_order(self) -> None:
+        """For the gluon kernels: each projection's codes rewritten in fragment order, in place of the checkpoint's
+        order (the same bytes, so the same memory once the old ones are freed)."""
+        for group in ("gate_up", "down"):
+            self.register_buffer(f"{group}_fragment_words", fragment_words(getattr(self, f"{group}_packed_codes")))
+            delattr(self, f"{group}_packed_codes")
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
         unpack = unpack_nvfp4_compiled if self.gate_up_packed_codes.is_cuda else unpack_nvfp4
@@ -875,6 +1138,8 @@ class PackedNVFP4Experts(torch.nn.Module):
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]
+        if self.kernels == "gluon":
+            return self.forward_fragments(hidden_states, top_k_index, top_k_weights)
         if self.kernels == "triton":
             return self.forward_packed(hidden_states, top_k_index, top_k_weights)
         return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
@@ -912,18 +1177,40 @@ class PackedNVFP4Experts(torch.nn.Module):
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 
+    def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The gluon kernels (W4A16): route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
+        num_tokens, top_k = top_k_index.shape
+        tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
+        num_tiles = tile_experts.numel()
+        common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+        intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
+        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
+            hidden_states.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
+            self.gate_up_block_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
+            self.hidden, self.width, top_k, **common,
+        )
+        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
+        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // FRAGMENT_ROWS.value)](
+            intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
+            self.down_fragment_words, self.down_block_scales.view(torch.int32), self.down_global_scale, pair_outputs,
+            self.num_experts, self.hidden, self.width, **common,
+        )
+        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
+
     @torch.no_grad()
     def compile_kernels(self) -> None:
-        """Run the packed kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
-        generator = torch.Generator(self.gate_up_packed_codes.device).manual_seed(0)
-        for most_pairs_per_expert, _ in EXPERT_TILES:
-            # the catch-all row (no bound): twice the last bound
-            pairs_per_expert = most_pairs_per_expert or 2 * EXPERT_TILES[-2][0]
+        """Run this layer's kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
+        forward, table = ((self.forward_fragments, FRAGMENT_TILES) if self.kernels == "gluon"
+                          else (self.forward_packed, EXPERT_TILES))
+        generator = torch.Generator(self.gate_up_global_scale.device).manual_seed(0)
+        for most_pairs_per_expert, _ in table:
+            pairs_per_expert = most_pairs_per_expert or 2 * table[-2][0]  # the catch-all row: twice the last bound
             num_tokens = max(1, pairs_per_expert * self.num_experts // self.top_k)
             hidden_states = torch.randn(num_tokens, self.hidden, generator=generator, device=generator.device)
             router_logits = torch.randn(num_tokens, self.num_experts, generator=generator, device=generator.device)
             top_k_weights, top_k_index = router_logits.softmax(-1).topk(self.top_k, dim=-1)
-            self.forward_packed(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
+            forward(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.to(torch.bfloat16))
 
     def forward_unpacked(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         num_tokens, top_k = top_k_index.shape
@@ -1043,7 +1330,7 @@ class LoadedClef:
     processor: Any
     schema: types.ModuleType  # the joint_schema_model module in use
     kind: CheckpointFormat
-    expert_kernels: str  # "triton" or "unpack" for packed experts, "bf16" for stock BF16 experts
+    expert_kernels: str  # "gluon", "triton" or "unpack" for packed experts, "bf16" for stock BF16 experts
     model_id: str  # what --model said
     checkpoint_dir: Path
     load_s: float
@@ -1219,15 +1506,32 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                           f"serves {SERVED_FORMATS}")
 
 
-def resolve_expert_kernels(choice: str, device: torch.device) -> str:
-    """What --expert-kernels means on `device`: "triton" or "unpack" (see PackedNVFP4Experts)."""
+def resolve_expert_kernels(choice: str, device: torch.device, simulate_fp4_activations: bool = False,
+                           text_config: transformers.PretrainedConfig | None = None) -> str:
+    """What --expert-kernels means on `device`: "gluon", "triton" or "unpack" (see PackedNVFP4Experts). The gluon
+    kernels need a Hopper GPU, W4A16 (no --simulate-fp4-activations) and experts whose hidden size and width are
+    multiples of 64 (text_config; None: not known yet, taken as fitting)."""
     if choice == "native":
         raise CheckpointError(
             "--expert-kernels native (FP4 tensor cores, compute capability 10.x/12.x) is not built yet: serve_clef has "
             "had no Blackwell GPU to test it on; use --expert-kernels triton, which runs on any CUDA GPU"
         )
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    fits = text_config is None or (text_config.hidden_size % 64 == 0 and text_config.moe_intermediate_size % 64 == 0)
+    if choice == "auto" and device.type == "cuda":
+        return "gluon" if hopper and fits and not simulate_fp4_activations else "triton"
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "unpack"
+        return "unpack"
+    if choice == "gluon" and not hopper:
+        raise CheckpointError(f"--expert-kernels gluon needs a Hopper GPU (compute capability 9.0), not {device}: use "
+                              "--expert-kernels triton, which runs on any CUDA GPU")
+    if choice == "gluon" and simulate_fp4_activations:
+        raise CheckpointError("--expert-kernels gluon runs W4A16 only; the W4A4 replay (--simulate-fp4-activations) "
+                              "runs in the Triton kernels: use --expert-kernels triton")
+    if choice == "gluon" and not fits:
+        raise CheckpointError(f"--expert-kernels gluon needs hidden size and expert width in multiples of 64, this "
+                              f"model has {text_config.hidden_size} and {text_config.moe_intermediate_size}: use "
+                              "--expert-kernels triton")
     if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise CheckpointError(
             "--expert-kernels triton on CPU runs only under Triton's interpreter (slow, for tests): set "
@@ -1653,7 +1957,7 @@ def load_clef(
 
     model: a hub id, a local model directory, "synthetic" or "synthetic:full" (--model). device: a torch device,
     default cuda when available, else cpu (--device). revision: the hub revision (--revision). expert_kernels:
-    "auto", "triton", "unpack" or "native" (--expert-kernels). simulate_fp4_activations: faithful W4A4 replay
+    "auto", "gluon", "triton", "unpack" or "native" (--expert-kernels). simulate_fp4_activations: faithful W4A4 replay
     (--simulate-fp4-activations). packed_nvfp4: False unpacks NVFP4 experts to BF16 at load (--no-packed-nvfp4).
     repair_nan_scales: load NaN block scales as 448 instead of refusing them (--repair-nan-scales). progress:
     receives one line per loading step. Raises CheckpointError with a one-line fix. On a GPU it also caps torch's CPU
@@ -1684,20 +1988,21 @@ def load_clef(
     if simulate_fp4_activations and not packed_nvfp4:
         raise CheckpointError("--simulate-fp4-activations runs inside the packed experts: drop --no-packed-nvfp4")
     packed = kind.quantized and packed_nvfp4
-    expert_kernels = resolve_expert_kernels(expert_kernels, device) if packed else "bf16"
     schema = import_joint_schema_model(checkpoint_dir, progress)
 
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     text_config = config.thinker_config.text_config
+    expert_kernels = (resolve_expert_kernels(expert_kernels, device, simulate_fp4_activations, text_config) if packed
+                      else "bf16")
     experts_form = f"packed NVFP4 experts, {expert_kernels} kernels" if packed else "BF16 experts"
     written_by = f", written by {quantization.producer}" if quantization.producer else ""
     progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form}{written_by})")
     if expert_kernels == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
         progress("this GPU has FP4 tensor cores, but serve_clef's native FP4 path is not built yet: the experts run "
                  "W4A16 (or the W4A4 replay) through the Triton kernels")
-    if expert_kernels == "triton" and text_config.hidden_act != "silu":
-        raise CheckpointError(f"--expert-kernels triton fuses SiLU; this model's experts use {text_config.hidden_act}: "
-                              "use --expert-kernels unpack")
+    if expert_kernels in ("gluon", "triton") and text_config.hidden_act != "silu":
+        raise CheckpointError(f"--expert-kernels {expert_kernels} fuses SiLU; this model's experts use "
+                              f"{text_config.hidden_act}: use --expert-kernels unpack")
     thinker = build_backbone(config, device, zero_width_experts=packed).thinker
     expert_stores = {}
     if kind.quantized:
@@ -1734,6 +2039,8 @@ def load_clef(
         if isinstance(experts, PackedNVFP4Experts):
             experts.simulate_fp4_activations = simulate_fp4_activations
             experts.kernels = expert_kernels
+            if expert_kernels == "gluon":
+                experts.to_fragment_order()
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
     if head_config["hidden_size"] != text_config.hidden_size:
@@ -1767,7 +2074,7 @@ def load_clef(
         progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
         schema.systemone(clef_model, processor, WARM_UP_REQUEST)
         schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
-        if expert_kernels == "triton":
+        if expert_kernels in ("gluon", "triton"):
             # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
             packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
             for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():

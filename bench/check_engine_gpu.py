@@ -16,7 +16,8 @@ Gates (exit status 1 when one fails): engine alone vs transformers' decoder, the
 towers' two attentions, at most twice the floor plus 0.005; the same request and the same batch bit-identical run
 after run; a text batch queued while the device runs another waits for nothing on the device.
 
-Usage: python3 bench/check_engine_gpu.py   (writes $OUT/check_engine_gpu.json when OUT is set)
+Usage: python3 bench/check_engine_gpu.py [server flags, e.g. --expert-kernels triton]
+       (writes $OUT/check_engine_gpu.json when OUT is set)
 """
 
 import contextlib
@@ -71,7 +72,7 @@ def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
 
 
 def main() -> int:
-    args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
+    args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda", *sys.argv[1:]])
     loaded = serve_clef.load_from_args(
         args, progress=lambda line: print(f"    [{torch.cuda.memory_allocated() / 2**30:.2f} GiB]", line, flush=True))
     tokenizer = loaded.processor.tokenizer

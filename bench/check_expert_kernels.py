@@ -9,16 +9,19 @@ Checks (each counts toward the exit status; nothing is printed as OK that was no
    error relative to the reference's mean absolute output are printed and gated.
 3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
    order: that gate is tighter.
+2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels (W4A16: they do not run the W4A4 replay).
 
 Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
-serving engine runs it: the tiles as served (also without a graph: eager launches), the unpack path, the W4A4
-replay, and with --sweep every candidate tile configuration (how EXPERT_TILES was chosen; minutes of compiling);
+serving engine runs it: the Triton kernels' tiles as served (also without a graph: eager launches), the gluon
+kernels (Hopper), the unpack path, the W4A4 replay, and with --sweep every candidate tile configuration (how
+EXPERT_TILES was chosen; minutes of compiling);
 the bf16 matmul rate and copy bandwidth of this GPU in the same run, for the ceilings.
 
 Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_kernels.json when OUT is set)
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -118,15 +121,19 @@ def main() -> int:
 
     # 2, 3. layer outputs against the unpack reference
     report["accuracy"] = []
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     for power_of_two in (False, True):
         layer = random_layer(power_of_two, seed=2)
-        for simulate in (False, True):
+        fragments = random_layer(power_of_two, seed=2)  # the same weights, for the gluon kernels
+        fragments.to_fragment_order()
+        for kernels, simulate in (("triton", False), ("triton", True)) + ((("gluon", False),) if hopper else ()):
             layer.simulate_fp4_activations = simulate
+            forward = functools.partial(serve_clef.PackedNVFP4Experts.forward_packed, layer) if kernels == "triton" \
+                else fragments.forward_fragments
             for num_tokens in (1, 7, 512, 2048):
                 inputs = routed_inputs(num_tokens, seed=num_tokens)
                 reference = layer.forward_unpacked(*inputs).float()
-                output = serve_clef.PackedNVFP4Experts.forward_packed(layer, *inputs)
-                repeat = serve_clef.PackedNVFP4Experts.forward_packed(layer, *inputs)
+                output, repeat = forward(*inputs), forward(*inputs)
                 scale = reference.abs().mean()
                 max_error = ((output.float() - reference).abs().max() / scale).item()
                 mean_error = ((output.float() - reference).abs().mean() / scale).item()
@@ -134,14 +141,15 @@ def main() -> int:
                 max_gate, mean_gate = (0.25, 0.01) if not simulate or power_of_two else (1.0, 0.05)
                 ok = max_error <= max_gate and mean_error <= mean_gate and torch.equal(output, repeat)
                 failures += not ok
-                row = {"power_of_two_global_scales": power_of_two, "w4a4": simulate, "tokens": num_tokens,
-                       "max_error": max_error, "mean_error": mean_error, "deterministic": torch.equal(output, repeat)}
+                row = {"kernels": kernels, "power_of_two_global_scales": power_of_two, "w4a4": simulate,
+                       "tokens": num_tokens, "max_error": max_error, "mean_error": mean_error,
+                       "deterministic": torch.equal(output, repeat)}
                 report["accuracy"].append(row)
-                print(f"kernels vs unpack: 2^k scales {power_of_two}, W4A4 {simulate}, {num_tokens:5} tokens: "
-                      f"max |err| {max_error:.4f}, mean |err| {mean_error:.5f} of mean |out| (gates {max_gate}, "
-                      f"{mean_gate}); repeat identical {torch.equal(output, repeat)} -> {'ok' if ok else 'FAIL'}",
-                      flush=True)
-        del layer
+                print(f"{kernels} kernels vs unpack: 2^k scales {power_of_two}, W4A4 {simulate}, {num_tokens:5} "
+                      f"tokens: max |err| {max_error:.4f}, mean |err| {mean_error:.5f} of mean |out| (gates "
+                      f"{max_gate}, {mean_gate}); repeat identical {torch.equal(output, repeat)} -> "
+                      f"{'ok' if ok else 'FAIL'}", flush=True)
+        del layer, fragments
 
     # 2b. input scales per expert (ModelOpt before 0.43): the W4A4 replay rounds the gate_up input per (token, expert)
     layer = random_layer(True, seed=4)
@@ -180,6 +188,8 @@ def main() -> int:
     # timings per token count
     layer = random_layer(False, seed=3)
     packed_bytes = sum(buffer.nbytes for buffer in layer.buffers())
+    fragments = random_layer(False, seed=3)
+    fragments.to_fragment_order()
     report["timings"] = []
     tables = serve_clef.EXPERT_TILES
     for num_tokens in TOKEN_COUNTS:
@@ -211,13 +221,15 @@ def main() -> int:
         row["triton_best_ms"], row["best_tiles"] = best[0], dataclasses.asdict(best[1])
         row["triton_tflops"] = flops / best[0] / 1e9
         row["triton_gb_per_s"] = packed_bytes / best[0] / 1e6
+        if hopper:
+            row["gluon_ms"] = graph_ms(lambda: fragments.forward_fragments(*inputs))
         report["timings"].append(row)
         print(f"{num_tokens:5} tokens, CUDA graph: unpack {row['unpack_ms']:.3f} ms "
               f"(W4A4 {row['unpack_w4a4_ms']:.3f}); "
               f"triton best {best[0]:.3f} ms (W4A4 {row['triton_w4a4_ms']:.3f}; as served "
               f"{row['triton_served_tiles_ms']:.3f}, eager launches {row['triton_served_tiles_eager_ms']:.3f}) "
               f"{row['triton_tflops']:.0f} TFLOP/s, {row['triton_gb_per_s']:.0f} GB/s of packed weights; "
-              f"{best[1]}", flush=True)
+              f"{best[1]}" + (f"; gluon {row['gluon_ms']:.3f} ms" if hopper else ""), flush=True)
 
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "expert_kernels.json").write_text(json.dumps(report, indent=2))

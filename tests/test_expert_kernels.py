@@ -3,9 +3,13 @@
 References, none of them the kernels: the step-by-step NVFP4 formulas of test_nvfp4.py, the unpack + grouped_mm path
 (itself checked against transformers' eager experts there), transformers' eager experts module, and a plain Python
 routing. The weights' decode that only the GPU runs (PTX, which the interpreter cannot) is checked by carrying out its
-instructions on Python integers, as PTX specifies them, against E2M1's table.
+instructions on Python integers, as PTX specifies them, against E2M1's table. The Gluon kernels for Hopper cannot run
+here at all (Gluon has no interpreter): their decode PTX and the fragment order of their codes are checked the same
+way, against the register layout of Hopper's tensor-core operand; bench/check_expert_kernels.py runs them on the GPU.
 Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per token, S pairs, P slots.
 """
+
+import itertools
 
 import pytest
 import torch
@@ -39,15 +43,17 @@ def bf16_pair(register: int) -> tuple[float, float]:
     return tuple(halves.view(torch.bfloat16).double().tolist())
 
 
-def run_decode_ptx(codes: int, scales: tuple[float, float, float, float]) -> list[int]:
-    """DECODE_E2M1_PTX run on 32-bit integers, by what each PTX instruction it uses is specified to do (the GPU runs
-    the real thing; Triton's interpreter cannot): $0-$3 out, $4 the four code bytes, $5 $6 two BF16 scale pairs."""
-    scale_pairs = [torch.tensor(pair, dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-                   for pair in (scales[:2], scales[2:])]
-    registers = {"$4": codes, "$5": int(scale_pairs[0][0] | scale_pairs[0][1] << 16),
-                 "$6": int(scale_pairs[1][0] | scale_pairs[1][1] << 16)}
+def bf16_pair_register(low: float, high: float) -> int:
+    halves = torch.tensor([low, high], dtype=torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(halves[0] | halves[1] << 16)
+
+
+def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
+    """A decode PTX run on 32-bit integers, by what each PTX instruction it uses is specified to do (the GPU runs the
+    real thing; Triton's interpreter cannot): `registers` in, every register after the last instruction out."""
+    registers = dict(registers)
     value = lambda operand: registers[operand] if operand in registers else int(operand, 0)  # noqa: E731
-    for statement in serve_clef.DECODE_E2M1_PTX.value.strip("{}\n").split(";"):
+    for statement in ptx.strip("{}\n").split(";"):
         if not statement.strip() or statement.strip().startswith(".reg"):
             continue
         opcode, operands = statement.split(None, 1)
@@ -70,6 +76,13 @@ def run_decode_ptx(codes: int, scales: tuple[float, float, float, float]) -> lis
         else:
             raise AssertionError(f"an instruction this test does not know: {statement}")
         registers[target] = result
+    return registers
+
+
+def run_decode_ptx(codes: int, scales: tuple[float, float, float, float]) -> list[int]:
+    """DECODE_E2M1_PTX: $0-$3 out, $4 the four code bytes, $5 $6 two BF16 scale pairs."""
+    registers = run_ptx(serve_clef.DECODE_E2M1_PTX.value, {"$4": codes, "$5": bf16_pair_register(*scales[:2]),
+                                                             "$6": bf16_pair_register(*scales[2:])})
     return [registers[f"${k}"] for k in range(4)]
 
 
@@ -87,6 +100,47 @@ def test_the_gpu_decode_gives_every_code_times_its_block_scale():
         for k, byte in enumerate(code_bytes):
             assert even[k] == E2M1_VALUES[byte & 0xF] * scales[k] * 2.0**-8, (byte, scales[k])
             assert odd[k] == E2M1_VALUES[byte >> 4] * scales[k] * 2.0**-8, (byte, scales[k])
+
+FRAGMENT_NIBBLES = ((0, 0), (1, 0), (0, 4), (1, 4), (2, 0), (3, 0), (2, 4), (3, 4))  # weight j: (byte, shift)
+
+
+def test_the_gluon_decode_gives_each_fragment_weight_times_its_block_scale():
+    """FRAGMENT_WORD_PTX on every byte value: weight j of a word (element j of the 8 the Gluon kernels hand it, out
+    as BF16 pairs $0-$3) is e2m1 of the nibble the fragment order puts it in, times its scale times 2**-8; $12-$15
+    hold the scales of weights (0, 1) ... (6, 7), the same in both halves as the kernels pass them."""
+    block_scales = [2.0**-9, 0.0234375, 1.0, 1.125, 3.5, 100.0, 240.0, 448.0]  # e4m3 values
+    for first_byte in range(0, 256, 4):
+        word_bytes = [first_byte, (first_byte + 77) % 256, (first_byte + 150) % 256, 255 - first_byte]
+        scales = [block_scales[(first_byte // 4 + k) % len(block_scales)] for k in range(4)]
+        registers = {"$4": int.from_bytes(bytes(word_bytes), "little")}
+        registers.update({f"${5 + k}": 0 for k in range(7)})  # the word's other copies, unused
+        registers.update({f"${12 + k}": bf16_pair_register(scales[k] * 2.0**118, scales[k] * 2.0**118)
+                          for k in range(4)})
+        out = run_ptx(serve_clef.FRAGMENT_WORD_PTX.value, registers)
+        weights = [value for k in range(4) for value in bf16_pair(out[f"${k}"])]
+        for j, (byte, shift) in enumerate(FRAGMENT_NIBBLES):
+            code = (word_bytes[byte] >> shift) & 0xF
+            assert weights[j] == E2M1_VALUES[code] * scales[j // 2] * 2.0**-8, (j, word_bytes, scales)
+
+
+def test_fragment_order_puts_each_weight_where_the_operand_layout_reads_it():
+    """fragment_words against the layout of Hopper's BF16 tensor-core operand, element by element: word
+    (slab, step, w, rl, q, s) of each projection carries, as weight j = p + 2e + 4h, the code of row
+    64 slab + 16 w + 8 e + rl and column 64 step + 16 s + 8 h + 2 q + p."""
+    generator = torch.Generator().manual_seed(5)
+    packed_codes = torch.randint(0, 256, (2, 128, 64), generator=generator, dtype=torch.int16).to(torch.uint8)
+    codes = torch.stack((packed_codes & 0xF, packed_codes >> 4), dim=-1).flatten(-2)  # [E, O, C]: column order
+    words = serve_clef.fragment_words(packed_codes)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (2, 2, 2, 512)
+    word_bytes = words.contiguous().view(torch.uint8).view(2, 2, 2, 4, 8, 4, 4, 4)  # E slab step w rl q s byte
+    for expert, slab, step, w, rl, q, s in itertools.product(range(2), range(2), range(2), range(4), range(8),
+                                                              range(4), range(4)):
+        for j, (byte, shift) in enumerate(FRAGMENT_NIBBLES):
+            p, e, h = j & 1, (j >> 1) & 1, j >> 2
+            row, column = 64 * slab + 16 * w + 8 * e + rl, 64 * step + 16 * s + 8 * h + 2 * q + p
+            stored = (int(word_bytes[expert, slab, step, w, rl, q, s, byte]) >> shift) & 0xF
+            assert stored == int(codes[expert, row, column])
+
 
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
@@ -187,9 +241,29 @@ def test_expert_kernels_choice_is_checked_at_load(monkeypatch):
     assert kernels("triton") == "triton"  # TRITON_INTERPRET=1 in the tests
     with pytest.raises(serve_clef.CheckpointError, match="not built yet"):
         kernels("native")
+    with pytest.raises(serve_clef.CheckpointError, match="needs a Hopper GPU"):
+        kernels("gluon")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(serve_clef.CheckpointError, match="TRITON_INTERPRET=1"):
         kernels("triton")
+
+
+def test_auto_takes_the_gluon_kernels_on_hopper_for_w4a16_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    fitting, odd = tiny_text_config(), tiny_text_config()
+    fitting.hidden_size, fitting.moe_intermediate_size = 2048, 768
+    odd.hidden_size, odd.moe_intermediate_size = 2048, 96
+    assert serve_clef.resolve_expert_kernels("auto", cuda, False, fitting) == "gluon"
+    assert serve_clef.resolve_expert_kernels("auto", cuda, True, fitting) == "triton"  # the W4A4 replay
+    assert serve_clef.resolve_expert_kernels("auto", cuda, False, odd) == "triton"
+    assert serve_clef.resolve_expert_kernels("gluon", cuda, False, fitting) == "gluon"
+    with pytest.raises(serve_clef.CheckpointError, match="W4A16 only"):
+        serve_clef.resolve_expert_kernels("gluon", cuda, True, fitting)
+    with pytest.raises(serve_clef.CheckpointError, match="multiples of 64"):
+        serve_clef.resolve_expert_kernels("gluon", cuda, False, odd)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert serve_clef.resolve_expert_kernels("auto", cuda, False, fitting) == "triton"
 
 
 def load_tiny(flags):
