@@ -1008,7 +1008,8 @@ def checked_nvfp4_tensor(
 
 
 class PackedNVFP4Experts(torch.nn.Module):
-    """One layer's experts kept NVFP4-packed in device memory exactly as on disk, in transformers' fused order.
+    """One layer's experts kept NVFP4-packed in device memory as on disk, in transformers' fused order (for the gluon
+    kernels the codes' bytes reordered, `to_fragment_order`).
 
     Stands in for transformers' Qwen3OmniMoeThinkerTextExperts, with the same forward signature. `kernels` says how
     it computes: "triton", the packed-expert kernels above on the packed bytes; "gluon", the Hopper kernels on the

@@ -142,6 +142,25 @@ def test_fragment_order_puts_each_weight_where_the_operand_layout_reads_it():
             assert stored == int(codes[expert, row, column])
 
 
+def test_fragment_order_replaces_the_codes_in_the_same_memory():
+    """to_fragment_order swaps each projection's checkpoint-order codes for their fragment-order words (the same bytes
+    reordered, no more memory) and leaves scales and global scales as they were."""
+    config = tiny_text_config()
+    config.hidden_size, config.moe_intermediate_size = 128, 64
+    experts = random_packed_experts(config, has_input_scales=False)
+    codes = {group: getattr(experts, f"{group}_packed_codes").clone() for group in ("gate_up", "down")}
+    others = {name: buffer.clone() for name, buffer in experts.named_buffers() if "packed_codes" not in name}
+    experts.to_fragment_order()
+    names = {name for name, _ in experts.named_buffers()}
+    assert not any("packed_codes" in name for name in names)
+    for group, before in codes.items():
+        words = getattr(experts, f"{group}_fragment_words")
+        assert words.nbytes == before.nbytes
+        assert torch.equal(words, serve_clef.fragment_words(before))
+    for name, before in others.items():
+        assert torch.equal(dict(experts.named_buffers())[name], before)
+
+
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
     slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
