@@ -805,6 +805,19 @@ def _decode_fragment_step(words, scale_words, scale_words_8, byte_shifts, DOT_A:
     return gl.convert_layout(gl.reshape(weights, [FRAGMENT_ROWS, FRAGMENT_STEP]), DOT_A, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def fragment_accumulator_layout(rows):
+    """The products' accumulator [64 slab rows, `rows` routed rows]: one warp group, Hopper's wgmma."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
+
+
+@gluon.jit
+def _allocate_fragment_ring(BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """The shared-memory ring of activation rows, the products' right operand: [STAGES, R, 64] BF16."""
+    return gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
+
+
 @gluon.jit
 def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced):
     """Pointers to step 0 of a slab: its words [w, rl, q, s] and row r's scale word [w, rl, q] (row r + 8's lie
@@ -845,11 +858,9 @@ def nvfp4_gate_up_fragment_kernel(
     tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of both gate and up
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
-        ACCUMULATOR: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_R, 16])
+        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
-        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
+        ring = _allocate_fragment_ring(BLOCK_R, STAGES)
         num_steps = hidden // FRAGMENT_STEP
         gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
         gate_words_ptr, gate_scales_ptr, byte_shifts = _fragment_step_pointers(
@@ -925,11 +936,9 @@ def nvfp4_down_fragment_kernel(
     tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 output columns
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
-        ACCUMULATOR: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_R, 16])
+        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
-        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
+        ring = _allocate_fragment_ring(BLOCK_R, STAGES)
         num_steps = width // FRAGMENT_STEP
         words_ptr, scales_ptr, byte_shifts = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab_column, num_steps, width)
