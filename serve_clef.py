@@ -709,8 +709,9 @@ EXPERT_TILES = (
 )
 
 
-def expert_tiles(num_pairs: int, num_experts: int, table: tuple = EXPERT_TILES) -> ExpertTiles:
-    """The row of `table` (EXPERT_TILES or FRAGMENT_TILES) for this many pairs: the first whose bound they fit."""
+def expert_tiles(num_pairs: int, num_experts: int, table: tuple) -> ExpertTiles:
+    """The row of `table` (EXPERT_TILES or FRAGMENT_TILES, read when called, so tests and sweeps may replace them)
+    for this many pairs: the first whose bound they fit."""
     for most_pairs_per_expert, tiles in table:
         if most_pairs_per_expert is None or num_pairs <= most_pairs_per_expert * num_experts:
             return tiles
@@ -1157,7 +1158,7 @@ class PackedNVFP4Experts(torch.nn.Module):
     def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
         num_tokens, top_k = top_k_index.shape
-        tiles = expert_tiles(top_k_index.numel(), self.num_experts)
+        tiles = expert_tiles(top_k_index.numel(), self.num_experts, EXPERT_TILES)
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
         common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -202,7 +202,8 @@ def main() -> int:
         row["unpack_w4a4_ms"] = graph_ms(lambda: layer.forward_unpacked(*inputs))
         layer.simulate_fp4_activations = False
         best = None
-        for tiles in CANDIDATE_TILES if "--sweep" in sys.argv[1:] else [serve_clef.expert_tiles(8 * num_tokens, 128)]:
+        served = serve_clef.expert_tiles(8 * num_tokens, 128, tables)
+        for tiles in CANDIDATE_TILES if "--sweep" in sys.argv[1:] else [served]:
             serve_clef.EXPERT_TILES = ((None, tiles),)
             try:
                 milliseconds = graph_ms(lambda: layer.forward_packed(*inputs))

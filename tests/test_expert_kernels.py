@@ -211,12 +211,16 @@ def test_every_served_tile_shape_gives_the_unpack_paths_bits(tiles, monkeypatch)
     tile has rows: its pairs span several routed tiles, and where the down kernel's tiles are smaller than the routed
     ones, each routed tile is split between several of them."""
     monkeypatch.setattr(serve_clef, "EXPERT_TILES", ((None, tiles),))
+    routed_rows, route = [], serve_clef.route_to_row_tiles
+    monkeypatch.setattr(serve_clef, "route_to_row_tiles",
+                        lambda index, num_experts, rows: routed_rows.append(rows) or route(index, num_experts, rows))
     experts = tiny_packed_experts(power_of_two_global_scales=True)
     hidden_states, top_k_index, top_k_weights = routed(150, seed=7)
     top_k_index[:, 0] = 4  # expert 4: at least 150 pairs
     reference = experts.forward_unpacked(hidden_states, top_k_index, top_k_weights)
     assert reference.abs().mean() > 1e-4  # not a comparison of zeros
     assert torch.equal(experts.forward_packed(hidden_states, top_k_index, top_k_weights), reference)
+    assert routed_rows == [tiles.rows]  # the kernels ran the forced row, not the one the table would serve
 
 
 @torch.no_grad()
