@@ -749,6 +749,7 @@ FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weig
 # words [w, rl, q, s]: lanes (rl, q), warps w, a thread's four words of a step in its registers (one 16-byte load)
 FRAGMENT_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
 FRAGMENT_ROWS_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte copies of [R, 64]
+FRAGMENT_BYTES = ((0, 2), (1, 3), (4, 6), (5, 7))  # the weights j in each word byte's (low nibble, high nibble)
 FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12", "$13")),
                                                   ("0x4342", ("$2", "$3"), ("$14", "$15")))))
 # Rows R per routed tile and pipeline stages by mean pairs per expert (T * K / E); on an H200 (2026-12-04,
@@ -770,9 +771,20 @@ def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
     # row = 64 slab + 16 w + 8 e + rl; column = 64 step + 16 s + 8 h + 2 q + p
     codes = codes.view(num_experts, slabs, 4, 2, 8, steps, 4, 2, 4, 2)  # E slab w e rl step s h q p
     codes = codes.permute(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(num_experts, slabs, steps, 512, 8)
-    byte_of = ((0, 2), (1, 3), (4, 6), (5, 7))  # (low nibble, high nibble) of word byte b: the weights j
-    word_bytes = torch.stack([codes[..., low] | (codes[..., high] << 4) for low, high in byte_of], dim=-1)
+    word_bytes = torch.stack([codes[..., low] | (codes[..., high] << 4) for low, high in FRAGMENT_BYTES], dim=-1)
     return word_bytes.contiguous().view(torch.int32).squeeze(-1)  # [E, O/64, C/64, 512]
+
+
+def packed_codes_from_fragment_words(words: torch.Tensor) -> torch.Tensor:
+    """fragment_words undone: int32 [E, O/64, C/64, 512] -> the checkpoint's packed codes uint8 [E, O, C/2]."""
+    num_experts, slabs, steps, _ = words.shape
+    word_bytes = words.contiguous().view(torch.uint8).view(num_experts, slabs, steps, 512, 4)
+    codes = torch.empty(*word_bytes.shape[:4], 8, dtype=torch.uint8, device=words.device)  # [E, slab, step, 512, j]
+    for byte, (low, high) in enumerate(FRAGMENT_BYTES):
+        codes[..., low], codes[..., high] = word_bytes[..., byte] & 0xF, word_bytes[..., byte] >> 4
+    codes = codes.view(num_experts, slabs, steps, 4, 8, 4, 4, 2, 2, 2)  # E slab step w rl q s h e p
+    codes = codes.permute(0, 1, 3, 8, 4, 2, 6, 7, 5, 9).reshape(num_experts, slabs * 64, steps * 32, 2)
+    return codes[..., 0] | (codes[..., 1] << 4)  # [E, O, C/2]: column 2i in the low nibble
 
 
 @gluon.jit
@@ -1122,11 +1134,18 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.register_buffer(f"{group}_fragment_words", fragment_words(getattr(self, f"{group}_packed_codes")))
             delattr(self, f"{group}_packed_codes")
 
+    def checkpoint_order_codes(self, group: str) -> torch.Tensor:
+        """A projection's packed codes [E, O, C/2] in the checkpoint's order, whichever order they are kept in."""
+        if hasattr(self, f"{group}_fragment_words"):
+            return packed_codes_from_fragment_words(getattr(self, f"{group}_fragment_words"))
+        return getattr(self, f"{group}_packed_codes")
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
-        unpack = unpack_nvfp4_compiled if self.gate_up_packed_codes.is_cuda else unpack_nvfp4
-        gate_up_proj = unpack(self.gate_up_packed_codes, self.gate_up_block_scales, self.gate_up_global_scale)
-        down_proj = unpack(self.down_packed_codes, self.down_block_scales, self.down_global_scale)
+        unpack = unpack_nvfp4_compiled if self.gate_up_block_scales.is_cuda else unpack_nvfp4
+        gate_up_proj = unpack(self.checkpoint_order_codes("gate_up"), self.gate_up_block_scales,
+                              self.gate_up_global_scale)
+        down_proj = unpack(self.checkpoint_order_codes("down"), self.down_block_scales, self.down_global_scale)
         return gate_up_proj, down_proj
 
     @torch.no_grad()

@@ -159,6 +159,9 @@ def test_fragment_order_replaces_the_codes_in_the_same_memory():
         assert torch.equal(words, serve_clef.fragment_words(before))
     for name, before in others.items():
         assert torch.equal(dict(experts.named_buffers())[name], before)
+    # the checkpoint's order back, for what reads the weights themselves (unpacked(): the calibration checks)
+    for group, before in codes.items():
+        assert torch.equal(experts.checkpoint_order_codes(group), before)
 
 
 def test_routing_pads_each_expert_to_whole_tiles():
