@@ -126,10 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=EXPERT_KERNELS,
         default="auto",
         help="How packed NVFP4 experts compute. gluon: Hopper kernels (compute capability 9.0) that read the packed "
-        "weights directly, W4A16; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only "
+        "weights directly; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only "
         "under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM "
-        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU without "
-        "--simulate-fp4-activations, triton on other CUDA GPUs, unpack on CPU.",
+        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU, triton on other "
+        "CUDA GPUs, unpack on CPU.",
     )
     parser.add_argument(
         "--max-length",
@@ -415,42 +415,62 @@ def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.
 
 @triton.jit
 def nvfp4_round_activations_kernel(
-    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, COLUMNS: tl.constexpr,
-    PER_EXPERT: tl.constexpr,
+    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, rows_per_expert, num_experts, columns,
+    BLOCK_C: tl.constexpr, PER_EXPERT: tl.constexpr,
 ):
-    """One output row per program: row `row // rows_per_input` of BF16 activations [T, COLUMNS], rounded to NVFP4
-    with the static input scale (PER_EXPERT: the scale of expert experts[row], else the one at input_scales_ptr)."""
+    """One block of BLOCK_C columns of one output row per program: row `row // rows_per_input` of BF16 activations
+    [., columns], rounded to NVFP4 with the static input scale (PER_EXPERT: the scale of expert
+    experts[row // rows_per_expert], else the one at input_scales_ptr). An expert index of num_experts (the routing's
+    tiles past the last) reads the last expert's scale: those rows are never read. Each 16-value block is rounded on
+    its own, so splitting a row into column blocks changes nothing."""
     row = tl.program_id(0).to(tl.int64)
-    columns = tl.arange(0, COLUMNS)[None, :]  # [1, C]
-    x = tl.load(activations_ptr + (row // rows_per_input) * COLUMNS + columns).to(tl.float32)
+    columns_here = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, C]
+    x = tl.load(activations_ptr + (row // rows_per_input) * columns + columns_here).to(tl.float32)
     if PER_EXPERT:
-        input_scale = tl.load(input_scales_ptr + tl.load(experts_ptr + row))
+        expert = tl.minimum(tl.load(experts_ptr + row // rows_per_expert), num_experts - 1)
+        input_scale = tl.load(input_scales_ptr + expert)
     else:
         input_scale = tl.load(input_scales_ptr)
-    tl.store(out_ptr + row * COLUMNS + columns, _round_activations_to_nvfp4(x, input_scale, 1, COLUMNS))
+    tl.store(out_ptr + row * columns + columns_here, _round_activations_to_nvfp4(x, input_scale, 1, BLOCK_C))
 
 
 def round_activations_to_nvfp4(
-    activations: torch.Tensor, input_scale: torch.Tensor, top_k_index: torch.Tensor | None = None
+    activations: torch.Tensor, input_scale: torch.Tensor, top_k_index: torch.Tensor | None = None,
+    tile_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """BF16 activations [T, H] rounded to NVFP4 by the kernels' helper: the W4A4 replay of the gate_up input before
-    the packed gate_up kernel.
+    """BF16 activations rounded to NVFP4 by the kernels' helper: the W4A4 replay of an expert input outside the
+    packed kernels. input_scale: one (0-d or [1]), or each expert's [E].
 
-    Without top_k_index: once per token with one input scale (0-d or [1]; a layer whose experts share it) -> [T, H].
-    With top_k_index [T, K]: once per (token, expert) pair with each expert's own input_scale [E] -> [S, H], the
-    rows in pair order (token * K + k).
+    activations [T, H] and no index: once per token with one input scale -> [T, H] (the gate_up input).
+    With top_k_index [T, K]: once per (token, expert) pair with each expert's own input scale -> [S, H], the rows in
+    pair order (token * K + k) (the gate_up input of a layer whose experts have scales of their own).
+    With tile_experts (the routing's, [P / R]): activations [P, I] in their padded slots, rounded in place, each with
+    the scale of its tile's expert -> activations (the down input, between the gluon kernels).
     """
     activations = activations.contiguous()
-    num_tokens, hidden = activations.shape
+    num_rows, columns = activations.shape
+    # The widest power-of-two column block that divides the row (768 -> 256): Triton's ranges are powers of two.
+    block_columns = min(columns & -columns, 1024)
+    assert block_columns >= 16, f"NVFP4 rounds blocks of 16 values, a row of {columns} cannot be split into them"
     input_scale = input_scale.float().reshape(-1)
+    num_experts, per_expert = input_scale.numel(), input_scale.numel() > 1
+    if tile_experts is not None:
+        nvfp4_round_activations_kernel[(num_rows, columns // block_columns)](
+            activations, input_scale, tile_experts, activations, 1, num_rows // tile_experts.numel(), num_experts,
+            columns, BLOCK_C=block_columns, PER_EXPERT=per_expert,
+        )
+        return activations
     if top_k_index is None:
         out = torch.empty_like(activations)  # [T, H]
-        nvfp4_round_activations_kernel[(num_tokens,)](activations, input_scale, input_scale, out, 1, COLUMNS=hidden,
-                                                      PER_EXPERT=False)
+        nvfp4_round_activations_kernel[(num_rows, columns // block_columns)](
+            activations, input_scale, input_scale, out, 1, 1, num_experts, columns,
+            BLOCK_C=block_columns, PER_EXPERT=False,
+        )
         return out
-    out = activations.new_empty(top_k_index.numel(), hidden)  # [S, H]
-    nvfp4_round_activations_kernel[(top_k_index.numel(),)](
-        activations, input_scale, top_k_index.reshape(-1), out, top_k_index.shape[1], COLUMNS=hidden, PER_EXPERT=True,
+    out = activations.new_empty(top_k_index.numel(), columns)  # [S, H]
+    nvfp4_round_activations_kernel[(top_k_index.numel(), columns // block_columns)](
+        activations, input_scale, top_k_index.reshape(-1), out, top_k_index.shape[1], 1, num_experts, columns,
+        BLOCK_C=block_columns, PER_EXPERT=True,
     )
     return out
 
@@ -734,7 +754,8 @@ def fitted_block(block: int, size: int) -> int:
 # in its operand registers for one k16 slice, so a thread reads its four words of a step in one 16-byte load and hands
 # each word whole to the decode PTX; the e4m3 block scales stay as the checkpoint has them, four (a row's step) read as
 # one word. The activations (gate_up: gathered by token; down: the intermediate rows) go through a ring of cp.async
-# copies in shared memory, the tensor cores' right operand. W4A16 only: the W4A4 replay runs the Triton kernels.
+# copies in shared memory, the tensor cores' right operand. The W4A4 replay rounds the gate_up input before the
+# gate_up kernel and the down input between the two, with the Triton kernels' rounding (round_activations_to_nvfp4).
 # Gluon has no interpreter, so these kernels run on the GPU only: bench/check_expert_kernels.py compares them there
 # with the unpack reference, and the tests check on CPU the fragment order and the decode PTX, instruction by
 # instruction.
@@ -859,13 +880,13 @@ def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
 
 @gluon.jit
 def nvfp4_gate_up_fragment_kernel(
-    hidden_states_ptr,  # BF16 [T, H]
+    hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
     slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
     fragment_words_ptr,  # int32 [E, 2I/64, H/64, 512]: gate slabs, then up slabs, in fragment order
     block_scales_ptr,  # int32 [E, 2I, H/64]: the e4m3 block scales, four to a word
     global_scale_ptr,  # fp32 [E, 2]
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot
-    num_experts, hidden, width, top_k,
+    num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
 ):
     tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of both gate and up
@@ -884,7 +905,7 @@ def nvfp4_gate_up_fragment_kernel(
         copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R
                         + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY)))
-        tokens = gl.where(pairs >= 0, pairs // top_k, 0).to(gl.int64)
+        tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
         rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
         rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
         rows_mask = rows_mask[0] & rows_mask[1]
@@ -1174,6 +1195,16 @@ class PackedNVFP4Experts(torch.nn.Module):
             return self.forward_packed(hidden_states, top_k_index, top_k_weights)
         return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
 
+    def kernels_gate_up_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
+        """The gate_up kernels' input and its pairs per row: the hidden states [T, H] (K pairs a row); under W4A4
+        rounded to NVFP4 once per token, or once per pair [S, H] (one pair a row) when each expert has its own input
+        scale."""
+        if not self.simulate_fp4_activations:
+            return hidden_states, top_k_index.shape[1]
+        if self.gate_up_input_scales_shared:
+            return round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1]), top_k_index.shape[1]
+        return round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale, top_k_index), 1
+
     def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
         num_tokens, top_k = top_k_index.shape
@@ -1181,12 +1212,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
         common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        gate_up_input, pairs_per_row = hidden_states, top_k
-        if self.simulate_fp4_activations and self.gate_up_input_scales_shared:
-            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1])  # [T, H]
-        elif self.simulate_fp4_activations:  # each expert's own input scale: a rounded row per pair
-            gate_up_input = round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale, top_k_index)  # [S, H]
-            pairs_per_row = 1
+        gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         gate_up_columns = fitted_block(tiles.columns, self.width)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_kernel[(num_tiles, self.width // gate_up_columns)](
@@ -1208,18 +1234,23 @@ class PackedNVFP4Experts(torch.nn.Module):
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 
     def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The gluon kernels (W4A16): route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
+        """The gluon kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum. Under W4A4
+        the down input is rounded between the two, in place, by the Triton kernels' rounding helper."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
         common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+        gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
-            hidden_states.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
+            gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
             self.gate_up_block_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
-            self.hidden, self.width, top_k, **common,
+            self.hidden, self.width, pairs_per_row, **common,
         )
+        if self.simulate_fp4_activations:
+            down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
+            round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
         nvfp4_down_fragment_kernel[(num_tiles, self.hidden // FRAGMENT_ROWS.value)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
@@ -1536,11 +1567,11 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                           f"serves {SERVED_FORMATS}")
 
 
-def resolve_expert_kernels(choice: str, device: torch.device, simulate_fp4_activations: bool = False,
+def resolve_expert_kernels(choice: str, device: torch.device,
                            text_config: transformers.PretrainedConfig | None = None) -> str:
     """What --expert-kernels means on `device`: "gluon", "triton" or "unpack" (see PackedNVFP4Experts). The gluon
-    kernels need a Hopper GPU, W4A16 (no --simulate-fp4-activations) and experts whose hidden size and width are
-    multiples of 64 (text_config; None: not known yet, taken as fitting)."""
+    kernels need a Hopper GPU and experts whose hidden size and width are multiples of 64 (text_config; None: not
+    known yet, taken as fitting)."""
     if choice == "native":
         raise CheckpointError(
             "--expert-kernels native (FP4 tensor cores, compute capability 10.x/12.x) is not built yet: serve_clef has "
@@ -1549,15 +1580,12 @@ def resolve_expert_kernels(choice: str, device: torch.device, simulate_fp4_activ
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     fits = text_config is None or (text_config.hidden_size % 64 == 0 and text_config.moe_intermediate_size % 64 == 0)
     if choice == "auto" and device.type == "cuda":
-        return "gluon" if hopper and fits and not simulate_fp4_activations else "triton"
+        return "gluon" if hopper and fits else "triton"
     if choice == "auto":
         return "unpack"
     if choice == "gluon" and not hopper:
         raise CheckpointError(f"--expert-kernels gluon needs a Hopper GPU (compute capability 9.0), not {device}: use "
                               "--expert-kernels triton, which runs on any CUDA GPU")
-    if choice == "gluon" and simulate_fp4_activations:
-        raise CheckpointError("--expert-kernels gluon runs W4A16 only; the W4A4 replay (--simulate-fp4-activations) "
-                              "runs in the Triton kernels: use --expert-kernels triton")
     if choice == "gluon" and not fits:
         raise CheckpointError(f"--expert-kernels gluon needs hidden size and expert width in multiples of 64, this "
                               f"model has {text_config.hidden_size} and {text_config.moe_intermediate_size}: use "
@@ -2022,8 +2050,7 @@ def load_clef(
 
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     text_config = config.thinker_config.text_config
-    expert_kernels = (resolve_expert_kernels(expert_kernels, device, simulate_fp4_activations, text_config) if packed
-                      else "bf16")
+    expert_kernels = resolve_expert_kernels(expert_kernels, device, text_config) if packed else "bf16"
     experts_form = f"packed NVFP4 experts, {expert_kernels} kernels" if packed else "BF16 experts"
     written_by = f", written by {quantization.producer}" if quantization.producer else ""
     progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form}{written_by})")

@@ -21,7 +21,8 @@ import serve_clef
 
 def test_kernel_rounding_equals_the_formula_bit_for_bit():
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 64, generator=generator) * torch.tensor([1e-9, 3e-4, 0.01, 1.0, 30.0, 1e6])[:, None]
+    # 96 columns: not a power of two, so the kernel rounds each row in column blocks (of 32)
+    x = torch.randn(6, 96, generator=generator) * torch.tensor([1e-9, 3e-4, 0.01, 1.0, 30.0, 1e6])[:, None]
     x[2, :16] = 0  # an all-zero block
     # values on every E2M1 midpoint once the block scale is exactly 2**-2 (input scale 2**-4, amax 1.5)
     midpoints = torch.tensor([1.5, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 2) * 0.25
@@ -32,6 +33,25 @@ def test_kernel_rounding_equals_the_formula_bit_for_bit():
         expected = reference_fake_quant(x, input_scale).to(torch.bfloat16)
         assert torch.equal(rounded.view(torch.int16), expected.view(torch.int16))
 
+
+def test_padded_slots_are_rounded_in_place_with_their_tiles_expert_scales():
+    """The gluon kernels' W4A4 down input: slots [P, I] in tiles of R rows, each tile its expert's input scale; tiles
+    past the last (expert E) are left to whatever scale (no read beyond the scales), the rest match the formula."""
+    generator = torch.Generator().manual_seed(3)
+    rows = 4
+    tile_experts = torch.tensor([2, 0, 1, 3], dtype=torch.int32)  # [P / R]: the last tile past the last expert
+    input_scales = torch.tensor([0.01, 0.2, 3.0])  # [E]
+    slots = (torch.randn(16, 48, generator=generator) * 2).to(torch.bfloat16)  # [P, I], I not a power of two
+    before = slots.clone()
+    rounded = serve_clef.round_activations_to_nvfp4(slots, input_scales, tile_experts=tile_experts)
+    assert rounded.data_ptr() == slots.data_ptr()
+    for tile, expert in enumerate(tile_experts[:3].tolist()):
+        expected = reference_fake_quant(before[tile * rows:(tile + 1) * rows], input_scales[expert].item())
+        assert torch.equal(slots[tile * rows:(tile + 1) * rows].view(torch.int16),
+                           expected.to(torch.bfloat16).view(torch.int16))
+    shared = before.clone()
+    serve_clef.round_activations_to_nvfp4(shared, input_scales[1:2], tile_experts=tile_experts)
+    assert torch.equal(shared.view(torch.int16), reference_fake_quant(before, 0.2).to(torch.bfloat16).view(torch.int16))
 
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # by code
@@ -274,22 +294,19 @@ def test_expert_kernels_choice_is_checked_at_load(monkeypatch):
         kernels("triton")
 
 
-def test_auto_takes_the_gluon_kernels_on_hopper_for_w4a16_only(monkeypatch):
+def test_auto_takes_the_gluon_kernels_on_hopper_when_the_sizes_fit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
     fitting, odd = tiny_text_config(), tiny_text_config()
     fitting.hidden_size, fitting.moe_intermediate_size = 2048, 768
     odd.hidden_size, odd.moe_intermediate_size = 2048, 96
-    assert serve_clef.resolve_expert_kernels("auto", cuda, False, fitting) == "gluon"
-    assert serve_clef.resolve_expert_kernels("auto", cuda, True, fitting) == "triton"  # the W4A4 replay
-    assert serve_clef.resolve_expert_kernels("auto", cuda, False, odd) == "triton"
-    assert serve_clef.resolve_expert_kernels("gluon", cuda, False, fitting) == "gluon"
-    with pytest.raises(serve_clef.CheckpointError, match="W4A16 only"):
-        serve_clef.resolve_expert_kernels("gluon", cuda, True, fitting)
+    assert serve_clef.resolve_expert_kernels("auto", cuda, fitting) == "gluon"
+    assert serve_clef.resolve_expert_kernels("auto", cuda, odd) == "triton"
+    assert serve_clef.resolve_expert_kernels("gluon", cuda, fitting) == "gluon"
     with pytest.raises(serve_clef.CheckpointError, match="multiples of 64"):
-        serve_clef.resolve_expert_kernels("gluon", cuda, False, odd)
+        serve_clef.resolve_expert_kernels("gluon", cuda, odd)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert serve_clef.resolve_expert_kernels("auto", cuda, False, fitting) == "triton"
+    assert serve_clef.resolve_expert_kernels("auto", cuda, fitting) == "triton"
 
 
 def load_tiny(flags):
