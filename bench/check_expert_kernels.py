@@ -2,14 +2,15 @@
 
 Checks (each counts toward the exit status; nothing is printed as OK that was not compared):
 1. The activations the W4A4 kernels round (`round_activations_to_nvfp4`, whose helper also rounds the down input in
-   the gate_up kernel's epilogue) equal the compiled replay the unpack path uses
+   the Triton gate_up kernel's epilogue and between the gluon kernels) equal the compiled replay the unpack path uses
    (`fake_quant_nvfp4_activations_compiled`) bit for bit.
 2. On random full-size layers (128 experts, hidden 2048, width 768, top-8), the kernels' output equals the unpack +
    grouped_mm reference to within BF16 error, W4A16 and W4A4, at several token counts: the max and mean absolute
    error relative to the reference's mean absolute output are printed and gated.
 3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
    order: that gate is tighter.
-2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels (W4A16: they do not run the W4A4 replay).
+2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels, W4A16 and W4A4 alike; so does the check of
+input scales per expert (older exports, which round the gate_up input once per pair).
 
 Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
 serving engine runs it: the Triton kernels' tiles as served (also without a graph: eager launches), the gluon
@@ -23,6 +24,7 @@ Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_ker
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -126,8 +128,8 @@ def main() -> int:
         layer = random_layer(power_of_two, seed=2)
         fragments = random_layer(power_of_two, seed=2)  # the same weights, for the gluon kernels
         fragments.to_fragment_order()
-        for kernels, simulate in (("triton", False), ("triton", True)) + ((("gluon", False),) if hopper else ()):
-            layer.simulate_fp4_activations = simulate
+        for kernels, simulate in itertools.product(("triton", "gluon") if hopper else ("triton",), (False, True)):
+            layer.simulate_fp4_activations = fragments.simulate_fp4_activations = simulate
             forward = functools.partial(serve_clef.PackedNVFP4Experts.forward_packed, layer) if kernels == "triton" \
                 else fragments.forward_fragments
             for num_tokens in (1, 7, 512, 2048):
@@ -160,21 +162,28 @@ def main() -> int:
         layer.input_scale_values[name] = set(scales.tolist())  # what store() records while loading a checkpoint
     layer.simulate_fp4_activations = True
     assert not layer.gate_up_input_scales_shared
-    for num_tokens in (7, 512):
+    fragments = random_layer(True, seed=4)
+    fragments.load_state_dict(layer.state_dict())
+    fragments.input_scale_values, fragments.simulate_fp4_activations = layer.input_scale_values, True
+    fragments.to_fragment_order()
+    forwards = {"triton": layer.forward_packed} | ({"gluon": fragments.forward_fragments} if hopper else {})
+    for (kernels, forward), num_tokens in itertools.product(forwards.items(), (7, 512)):
         inputs = routed_inputs(num_tokens, seed=num_tokens)
         reference = layer.forward_unpacked(*inputs).float()
-        output = layer.forward_packed(*inputs)
+        output = forward(*inputs)
         scale = reference.abs().mean()
         mean_error = ((output.float() - reference).abs().mean() / scale).item()
-        ok = mean_error <= 0.01 and torch.equal(output, layer.forward_packed(*inputs))
+        deterministic = torch.equal(output, forward(*inputs))
+        ok = mean_error <= 0.01 and deterministic
         failures += not ok
-        per_pair_ms = graph_ms(lambda: layer.forward_packed(*inputs))
+        per_pair_ms = graph_ms(lambda: forward(*inputs))
         report.setdefault("per_expert_input_scales", []).append(
-            {"tokens": num_tokens, "mean_error": mean_error, "triton_w4a4_per_pair_ms": per_pair_ms})
-        print(f"kernels vs unpack, input scales per expert, W4A4, {num_tokens} tokens: mean |err| {mean_error:.5f} "
-              f"of mean |out| (gate 0.01), repeat identical; {per_pair_ms:.3f} ms -> {'ok' if ok else 'FAIL'}",
-              flush=True)
-    del layer
+            {"kernels": kernels, "tokens": num_tokens, "mean_error": mean_error, "deterministic": deterministic,
+             "w4a4_per_pair_ms": per_pair_ms})
+        print(f"{kernels} kernels vs unpack, input scales per expert, W4A4, {num_tokens} tokens: mean |err| "
+              f"{mean_error:.5f} of mean |out| (gate 0.01), repeat identical {deterministic}; {per_pair_ms:.3f} ms -> "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+    del layer, fragments
 
     # ceilings of this GPU, in the same run
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -224,13 +233,17 @@ def main() -> int:
         row["triton_gb_per_s"] = packed_bytes / best[0] / 1e6
         if hopper:
             row["gluon_ms"] = graph_ms(lambda: fragments.forward_fragments(*inputs))
+            fragments.simulate_fp4_activations = True
+            row["gluon_w4a4_ms"] = graph_ms(lambda: fragments.forward_fragments(*inputs))
+            fragments.simulate_fp4_activations = False
         report["timings"].append(row)
         print(f"{num_tokens:5} tokens, CUDA graph: unpack {row['unpack_ms']:.3f} ms "
               f"(W4A4 {row['unpack_w4a4_ms']:.3f}); "
               f"triton best {best[0]:.3f} ms (W4A4 {row['triton_w4a4_ms']:.3f}; as served "
               f"{row['triton_served_tiles_ms']:.3f}, eager launches {row['triton_served_tiles_eager_ms']:.3f}) "
               f"{row['triton_tflops']:.0f} TFLOP/s, {row['triton_gb_per_s']:.0f} GB/s of packed weights; "
-              f"{best[1]}" + (f"; gluon {row['gluon_ms']:.3f} ms" if hopper else ""), flush=True)
+              f"{best[1]}" + (f"; gluon {row['gluon_ms']:.3f} ms (W4A4 {row['gluon_w4a4_ms']:.3f})" if hopper else ""),
+              flush=True)
 
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "expert_kernels.json").write_text(json.dumps(report, indent=2))
