@@ -368,6 +368,53 @@ def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
         assert largest_difference(response["answers"], reference["answers"]) <= ANSWER_NOISE
 
 
+def test_one_record_batches_replay_their_own_graphs_and_tell_the_attention(loaded, monkeypatch):
+    """On CUDA a bucket has two graphs: a batch of one record replays the one whose text-decoder attention was told
+    `one_record` (cuDNN's causal attention, which is only right when nothing but padding follows the record), a
+    batch of several the other (varlen flash attention). Here fake graphs record which one a batch replays, and the
+    flag is followed through transformers' decoder into the attention calls."""
+    decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
+    replayed = []
+
+    class RecordingGraph:
+        def __init__(self, key):
+            self.key = key
+
+        def replay(self):
+            replayed.append(self.key)
+
+    monkeypatch.setattr(decoder, "graphs", {(bucket, one): RecordingGraph((bucket, one))
+                                            for bucket in decoder.buckets for one in (False, True)})
+    encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in REQUESTS]
+    serve_clef.score_records(loaded, encoded[:1])
+    serve_clef.score_records(loaded, encoded)
+    alone = min(b for b in decoder.buckets if b >= len(encoded[0].input_ids))
+    together = min(b for b in decoder.buckets if b >= sum(len(record.input_ids) for record in encoded))
+    assert replayed == [(alone, True), (together, False)]
+
+    monkeypatch.setattr(decoder, "graphs", {})
+    text_calls = []
+
+    def recording_attention(module, *args, **kwargs):
+        if kwargs.get("is_causal", True):  # the text decoder's (the towers pass is_causal=False)
+            text_calls.append(kwargs.get("one_record"))
+        return serve_clef.packed_records_attention(module, *args, **kwargs)
+
+    serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION, recording_attention)
+    try:
+        embeds = torch.zeros(1, 64, loaded.model.thinker.config.text_config.hidden_size, dtype=torch.bfloat16)
+        positions = torch.arange(64).expand(decoder.position_rows, 1, 64)
+        boundaries = torch.tensor([0, 64] + [64] * serve_clef.MAX_RECORDS_PER_FORWARD, dtype=torch.int32)
+        with torch.inference_mode():
+            decoder.run_padded(embeds, positions, boundaries, None, one_record=True)
+            decoder.run_padded(embeds, positions, boundaries, None)
+    finally:
+        serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION,
+                                                            serve_clef.packed_records_attention)
+    layers = len(decoder.decoder.layers)
+    assert text_calls == [True] * layers + [False] * layers
+
+
 def test_compiled_layers_answer_as_transformers_own_decoder(stock_loaded):
     """On CUDA the engine compiles the decoder layers (torch.compile, any length) before capturing its graphs; here
     Inductor compiles them for CPU, and a packed batch of two lengths still answers as transformers' own eager
