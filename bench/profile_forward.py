@@ -4,15 +4,17 @@ For one ~516-token record, for 16 records of ~500 tokens in one forward, and for
 each, `score_records` is timed as a whole and split into its stages, each synchronised: collating the batch, the
 thinker around its text decoder (embedding, the vision and audio towers, rotary indices, merging), the text decoder
 (a CUDA graph replay), and the joint head. The whole forward is also timed as served (no stage synchronised: the host
-queues the joint head while the device runs the decoder), and, as baselines in the same run, as it ran before two
+queues the joint head while the device runs the decoder), and, as baselines in the same run, as it ran before three
 changes: with the host waiting for the decoder before it queues the head (before the head's copies came from pinned
-memory), and with the towers' attention as transformers runs it under SDPA (a call per image, frame or audio window,
-after a host read of their lengths). torch.profiler then gives the GPU's busy time, the kernels launched and the
-host's busiest operators.
+memory), with the towers' attention as transformers runs it under SDPA (a call per image, frame or audio window,
+after a host read of their lengths), and with a one-record batch replaying the graph of batches of several records
+(flash varlen attention) instead of its own (cuDNN's). torch.profiler then gives the GPU's busy time, the kernels
+launched and the host's busiest operators, also for that last baseline.
 
 Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -97,6 +99,19 @@ def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head:
     return round(sorted(times)[repeats // 2], 2)
 
 
+@contextlib.contextmanager
+def one_record_on_flash_varlen(loaded):
+    """One-record batches replay the graphs of batches of several records (flash varlen attention), as before they
+    had graphs of their own (cuDNN's attention)."""
+    decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
+    served = dict(decoder.graphs)
+    decoder.graphs.update({(bucket, True): graph for (bucket, one), graph in served.items() if not one})
+    try:
+        yield
+    finally:
+        decoder.graphs.update(served)
+
+
 def profiled(run) -> dict:
     run()
     torch.cuda.synchronize()
@@ -139,9 +154,16 @@ def main() -> int:
         stages["whole, the towers' attention a call per image or window"] = unsynchronised_milliseconds(
             loaded, records, towers_attention="sdpa")
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
+        if len(records) == 1:
+            with one_record_on_flash_varlen(loaded):
+                stages["whole, one record on flash varlen attention"] = unsynchronised_milliseconds(loaded, records)
+                before = profiled(lambda: serve_clef.score_records(loaded, records))
+            profile["gpu_busy_ms_one_record_on_flash_varlen"] = before["gpu_busy_ms"]
         results[name] = {"tokens": tokens, "stages_ms": stages, **profile}
         print(f"{name} ({tokens} tokens): stages {stages}")
-        print(f"    GPU busy {profile['gpu_busy_ms']} ms, {profile['kernel_launches']} kernel launches")
+        print(f"    GPU busy {profile['gpu_busy_ms']} ms, {profile['kernel_launches']} kernel launches"
+              + (f" (one record on flash varlen: {profile['gpu_busy_ms_one_record_on_flash_varlen']} ms)"
+                 if len(records) == 1 else ""))
         for kernel in profile["top_kernels"]:
             print("    kernel", kernel)
         for operator in profile["top_host_operators"]:
