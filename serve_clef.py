@@ -2365,8 +2365,10 @@ class PackedTextDecoder(torch.nn.Module):
             if visual_features is not None:
                 static_deepstack[:, 0, :total][:, packed_visual] = visual_features
                 self.deepstack_tokens = total
-            if (bucket, batch == 1) in self.graphs:
-                self.graphs[bucket, batch == 1].replay()
+            # a one-record batch's own graph, or where cuDNN's attention could not be captured, the bucket's other one
+            graph = self.graphs.get((bucket, batch == 1)) or self.graphs.get((bucket, False))
+            if graph is not None:
+                graph.replay()
             else:
                 static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack)
             packed_hidden = static_hidden[0, :total]  # [T, H]
@@ -2427,19 +2429,30 @@ class PackedTextDecoder(torch.nn.Module):
         # a matmul has run on, for the life of the process, and a new stream per bucket (up to 32 distinct ones,
         # torch's stream pool) would keep one each.
         side_stream = torch.cuda.Stream()
-        for bucket, one_record in itertools.product(sorted(self.buckets, reverse=True), (False, True)):
-            *static_inputs, static_hidden = self.static_views(bucket, like)
-            static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
-            side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):  # a first run outside the graph sets up kernels, plans, workspaces
-                self.run_padded(*static_inputs, one_record=one_record)
-            torch.cuda.current_stream().wait_stream(side_stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                # into the shared buffer, so that the pool's own output is free again for the next capture
-                static_hidden.copy_(self.run_padded(*static_inputs, one_record=one_record))
-            graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
-            self.graphs[bucket, one_record] = graph
+        cudnn_attention = True  # until it fails to run here
+        for bucket in sorted(self.buckets, reverse=True):
+            for one_record in (False, True) if cudnn_attention else (False,):
+                *static_inputs, static_hidden = self.static_views(bucket, like)
+                static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
+                side_stream.wait_stream(torch.cuda.current_stream())
+                try:
+                    with torch.cuda.stream(side_stream):  # a first run outside the graph: kernels, plans, workspaces
+                        self.run_padded(*static_inputs, one_record=one_record)
+                except RuntimeError as error:
+                    if not one_record:
+                        raise
+                    # cuDNN's attention is missing here or refuses this GPU: batches of one record replay the
+                    # graphs of several (flash varlen)
+                    progress(f"cuDNN's attention does not run here ({error}); a record alone takes flash attention")
+                    cudnn_attention = False
+                    continue
+                torch.cuda.current_stream().wait_stream(side_stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    # into the shared buffer, so that the pool's own output is free again for the next capture
+                    static_hidden.copy_(self.run_padded(*static_inputs, one_record=one_record))
+                graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
+                self.graphs[bucket, one_record] = graph
         captured_tower_layers = sum(tower.capture(pool, side_stream) for tower in self.tower_graphs)
         progress(f"text decoder compiled and captured in CUDA graphs for {len(self.buckets)} lengths up to "
                  f"{self.buckets[-1]} tokens, and the towers' layers in {captured_tower_layers}, in "

@@ -391,6 +391,11 @@ def test_one_record_batches_replay_their_own_graphs_and_tell_the_attention(loade
     alone = min(b for b in decoder.buckets if b >= len(encoded[0].input_ids))
     together = min(b for b in decoder.buckets if b >= sum(len(record.input_ids) for record in encoded))
     assert replayed == [(alone, True), (together, False)]
+    # where cuDNN's attention could not be captured (no one-record graphs), a record alone takes the other graph
+    monkeypatch.setattr(decoder, "graphs", {(bucket, False): RecordingGraph((bucket, False))
+                                            for bucket in decoder.buckets})
+    serve_clef.score_records(loaded, encoded[:1])
+    assert replayed[-1] == (alone, False)
 
     monkeypatch.setattr(decoder, "graphs", {})
     text_calls = []
