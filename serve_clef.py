@@ -2162,12 +2162,13 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # A decision is one prefill of a few hundred to a few thousand tokens, and many arrive at once. The engine scores a
 # batch of B records in one forward of the thinker: the thinker embeds them as a right-padded batch, as transformers
 # does, and its text decoder (where nearly all the work is) runs them packed into one sequence of their real tokens,
-# T = the sum of their lengths, with attention kept within each record (varlen flash attention on CUDA). Every
-# record keeps its own rotary positions, and MoE routing is per token, so no record sees another or the padding.
+# T = the sum of their lengths, with attention kept within each record (varlen flash attention on CUDA; cuDNN's
+# causal attention for a batch of one record, which nothing but padding follows). Every record keeps its own rotary
+# positions, and MoE routing is per token, so no record sees another or the padding.
 #
 # Launched op by op, a forward is bound by the host (5,559 kernel launches for ~42 ms of GPU work at 516 tokens on an
 # H200). So the decoder's layers are compiled (torch.compile fuses their small elementwise kernels) and the packed
-# decoder runs from CUDA graphs captured at load, one per bucket of packed lengths: the packed
+# decoder runs from CUDA graphs captured at load, two per bucket of packed lengths (several records, one): the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
 # more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
 # embedding merge stay eager, and so does the packed decoder for batches longer than the largest bucket. Nothing in
