@@ -128,8 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="How packed NVFP4 experts compute. gluon: Hopper kernels (compute capability 9.0) that read the packed "
         "weights directly; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only "
         "under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM "
-        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU, triton on other "
-        "CUDA GPUs, unpack on CPU.",
+        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU, triton on "
+        "other CUDA GPUs, unpack on CPU.",
     )
     parser.add_argument(
         "--max-length",
