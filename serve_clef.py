@@ -453,24 +453,20 @@ def round_activations_to_nvfp4(
     block_columns = min(columns & -columns, 1024)
     assert block_columns >= 16, f"NVFP4 rounds blocks of 16 values, a row of {columns} cannot be split into them"
     input_scale = input_scale.float().reshape(-1)
-    num_experts, per_expert = input_scale.numel(), input_scale.numel() > 1
-    if tile_experts is not None:
-        nvfp4_round_activations_kernel[(num_rows, columns // block_columns)](
-            activations, input_scale, tile_experts, activations, 1, num_rows // tile_experts.numel(), num_experts,
-            columns, BLOCK_C=block_columns, PER_EXPERT=per_expert,
-        )
-        return activations
-    if top_k_index is None:
+    num_experts = input_scale.numel()
+    # the output, each output row's expert index (read only PER_EXPERT), input rows per output row and rows per expert
+    if tile_experts is not None:  # in place, a tile of rows per expert index (shared scale: one for all)
+        out, experts, rows_per_input, rows_per_expert = activations, tile_experts, 1, num_rows // tile_experts.numel()
+        per_expert = num_experts > 1
+    elif top_k_index is None:  # a row per token, one scale
         out = torch.empty_like(activations)  # [T, H]
-        nvfp4_round_activations_kernel[(num_rows, columns // block_columns)](
-            activations, input_scale, input_scale, out, 1, 1, num_experts, columns,
-            BLOCK_C=block_columns, PER_EXPERT=False,
-        )
-        return out
-    out = activations.new_empty(top_k_index.numel(), columns)  # [S, H]
-    nvfp4_round_activations_kernel[(top_k_index.numel(), columns // block_columns)](
-        activations, input_scale, top_k_index.reshape(-1), out, top_k_index.shape[1], 1, num_experts, columns,
-        BLOCK_C=block_columns, PER_EXPERT=True,
+        experts, rows_per_input, rows_per_expert, per_expert = input_scale, 1, 1, False
+    else:  # a row per (token, expert) pair, its expert's scale
+        out = activations.new_empty(top_k_index.numel(), columns)  # [S, H]
+        experts, rows_per_input, rows_per_expert, per_expert = top_k_index.reshape(-1), top_k_index.shape[1], 1, True
+    nvfp4_round_activations_kernel[(out.shape[0], columns // block_columns)](
+        activations, input_scale, experts, out, rows_per_input, rows_per_expert, num_experts, columns,
+        BLOCK_C=block_columns, PER_EXPERT=per_expert,
     )
     return out
 
