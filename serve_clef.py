@@ -2428,9 +2428,9 @@ class PackedTextDecoder(torch.nn.Module):
         side_stream = torch.cuda.Stream()
         cudnn_attention = True  # until it fails to run here
         for bucket in sorted(self.buckets, reverse=True):
+            *static_inputs, static_hidden = self.static_views(bucket, like)
+            static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
             for one_record in (False, True) if cudnn_attention else (False,):
-                *static_inputs, static_hidden = self.static_views(bucket, like)
-                static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
                 side_stream.wait_stream(torch.cuda.current_stream())
                 try:
                     with torch.cuda.stream(side_stream):  # a first run outside the graph: kernels, plans, workspaces
