@@ -701,7 +701,8 @@ class ExpertTiles:
     """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
     down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
-    routed tile, so within one expert); None: the same as gate_up's."""
+    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take down_columns only, one
+    slab (64) or two."""
 
     rows: int
     columns: int
@@ -769,13 +770,17 @@ FRAGMENT_ROWS_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0
 FRAGMENT_BYTES = ((0, 2), (1, 3), (4, 6), (5, 7))  # the weights j in each word byte's (low nibble, high nibble)
 FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12", "$13")),
                                                   ("0x4342", ("$2", "$3"), ("$14", "$15")))))
-# Rows R per routed tile and pipeline stages by mean pairs per expert (T * K / E); on an H200 (2026-12-04,
-# docs/benchmarks.md) R = 32 was the fastest at 64 tokens, 64 at 512 and 2,048, 128 at 8,192. Where one row gives way
-# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# Rows R per routed tile, pipeline stages and the down kernel's output columns (one slab of 64, or two) by mean pairs
+# per expert (T * K / E); on an H200 (2026-12-04, docs/benchmarks.md) R = 32 was the fastest at 64 tokens, 64 at 512
+# to 4,096 and 128 at 8,192; two slabs per down program were slower at 512 and 2,048 tokens (0.114 against 0.101 ms,
+# 0.276 against 0.252) and faster at 4,096 (0.513 against 0.547) and with R = 128 (0.649 against 0.880 ms at 6,144
+# tokens, 0.841 against 1.120 at 8,192). Where one row gives way to the next between those counts is a judgement.
+# `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
-    (256, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
-    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
+    (192, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
+    (256, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4, down_columns=2 * FRAGMENT_ROWS.value)),
+    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=2 * FRAGMENT_ROWS.value)),
 )
 
 
@@ -875,6 +880,63 @@ def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
 
 
 @gluon.jit
+def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, byte_shifts, rows_ptr,
+                       rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+                       TWO_SLABS: gl.constexpr):
+    """One slab's, or two slabs', weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of
+    activations (rows_ptr [R, 64] at step 0, read `rows_mask`, or whole when None) over `num_steps` steps -> the
+    fp32 products [64 slab rows, R], the second zeros for one slab.
+
+    The activations go through a ring of cp.async copies in shared memory. Step 0 is decoded and step 1's codes are
+    in registers before the loop; each step loads step + 2's codes and decodes step + 1's while its own products
+    run, and keeps the products' weights until their wait, since the tensor cores read them from the registers."""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+    ring = _allocate_fragment_ring(BLOCK_R, STAGES)
+    for first_step in gl.static_range(STAGES - 1):
+        async_copy.async_copy_global_to_shared(ring.index(first_step), rows_ptr + first_step * FRAGMENT_STEP,
+                                               mask=rows_mask)
+        async_copy.commit_group()
+    first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
+    second = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)
+    first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
+                                          byte_shifts, DOT_A)
+    first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    if TWO_SLABS:
+        second_weights = _decode_fragment_step(*_load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0),
+                                               byte_shifts, DOT_A)
+        second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    for step in range(num_steps):
+        ahead = gl.minimum(step + 2, num_steps - 1)
+        next_first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, ahead)
+        if TWO_SLABS:
+            next_second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, ahead)
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()  # every thread's copies of this step are in
+        fence_async_shared()
+        rows = ring.index(step % STAGES).permute((1, 0))  # [64, R]
+        first = warpgroup_mma(first_weights, rows, first, is_async=True)
+        if TWO_SLABS:
+            second = warpgroup_mma(second_weights, rows, second, is_async=True)
+        next_first_weights = _decode_fragment_step(*first_codes, byte_shifts, DOT_A)
+        if TWO_SLABS:
+            next_second_weights = _decode_fragment_step(*second_codes, byte_shifts, DOT_A)
+            first, second, first_weights, second_weights = warpgroup_mma_wait(
+                num_outstanding=0, deps=(first, second, first_weights, second_weights))
+        else:
+            first, first_weights = warpgroup_mma_wait(num_outstanding=0, deps=(first, first_weights))
+        async_copy.async_copy_global_to_shared(
+            ring.index((step + STAGES - 1) % STAGES),
+            rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP, mask=rows_mask)
+        async_copy.commit_group()
+        first_weights, first_codes = next_first_weights, next_first_codes
+        if TWO_SLABS:
+            second_weights, second_codes = next_second_weights, next_second_codes
+    async_copy.wait_group(0)
+    return first, second
+
+
+@gluon.jit
 def nvfp4_gate_up_fragment_kernel(
     hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
     slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
@@ -889,57 +951,21 @@ def nvfp4_gate_up_fragment_kernel(
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
-        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
-        ring = _allocate_fragment_ring(BLOCK_R, STAGES)
         num_steps = hidden // FRAGMENT_STEP
         gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
         gate_words_ptr, gate_scales_ptr, byte_shifts = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
         up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
-        # the tile's token rows, gathered by cp.async into the ring (padding slots read zeros)
+        # the tile's token rows, gathered (padding slots read zeros)
         copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R
                         + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY)))
         tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
         rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
         rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
-        rows_mask = rows_mask[0] & rows_mask[1]
-        for first in gl.static_range(STAGES - 1):
-            async_copy.async_copy_global_to_shared(ring.index(first), rows_ptr + first * FRAGMENT_STEP, mask=rows_mask)
-            async_copy.commit_group()
-        # Step 0 decoded, step 1's codes in registers. Each step loads step + 2's codes and decodes step + 1's while
-        # its own products run; the products' weights are kept until their wait, since the tensor cores read them
-        # from the registers while the products run.
-        gate_weights = _decode_fragment_step(*_load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, 0),
-                                             byte_shifts, DOT_A)
-        up_weights = _decode_fragment_step(*_load_fragment_step(up_words_ptr, up_scales_ptr, hidden, 0), byte_shifts,
-                                           DOT_A)
-        gate_codes = _load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, gl.minimum(1, num_steps - 1))
-        up_codes = _load_fragment_step(up_words_ptr, up_scales_ptr, hidden, gl.minimum(1, num_steps - 1))
-        gate = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 gate columns, R slots]
-        up = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)
-        for step in range(num_steps):
-            ahead = gl.minimum(step + 2, num_steps - 1)
-            next_gate_codes = _load_fragment_step(gate_words_ptr, gate_scales_ptr, hidden, ahead)
-            next_up_codes = _load_fragment_step(up_words_ptr, up_scales_ptr, hidden, ahead)
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()  # every thread's copies of this step are in
-            fence_async_shared()
-            rows = ring.index(step % STAGES).permute((1, 0))  # [64, R]
-            gate = warpgroup_mma(gate_weights, rows, gate, is_async=True)
-            up = warpgroup_mma(up_weights, rows, up, is_async=True)
-            next_gate_weights = _decode_fragment_step(*gate_codes, byte_shifts, DOT_A)
-            next_up_weights = _decode_fragment_step(*up_codes, byte_shifts, DOT_A)
-            gate, up, gate_weights, up_weights = warpgroup_mma_wait(
-                num_outstanding=0, deps=(gate, up, gate_weights, up_weights))
-            async_copy.async_copy_global_to_shared(
-                ring.index((step + STAGES - 1) % STAGES),
-                rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP, mask=rows_mask)
-            async_copy.commit_group()
-            gate_weights, up_weights = next_gate_weights, next_up_weights
-            gate_codes, up_codes = next_gate_codes, next_up_codes
-        async_copy.wait_group(0)
+        gate, up = _fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, byte_shifts,
+                                      rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True)
         # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
         gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
         up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
@@ -949,6 +975,20 @@ def nvfp4_gate_up_fragment_kernel(
         columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
         slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
         gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
+
+
+@gluon.jit
+def _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
+                        BLOCK_R: gl.constexpr):
+    """The epilogue of nvfp4_down_kernel for one slab's products out [64 output columns, R slots]: global scale,
+    BF16, routing weight, BF16, stored in each pair's row."""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
+    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+    pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
+    out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
+    mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
+    gl.store(pair_outputs_ptr + pair_rows[None, :] * hidden + columns[:, None], out, mask=mask[0] & mask[1])
 
 
 @gluon.jit
@@ -962,48 +1002,32 @@ def nvfp4_down_fragment_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+    SLABS: gl.constexpr,  # output slabs (64 columns) per program, 1 or 2 (ExpertTiles.down_columns)
 ):
-    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 output columns
+    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: SLABS * 64 output columns
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
-        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
-        ring = _allocate_fragment_ring(BLOCK_R, STAGES)
         num_steps = width // FRAGMENT_STEP
-        words_ptr, scales_ptr, byte_shifts = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab_column, num_steps, width)
+        slab = SLABS * slab_group
+        first_words_ptr, first_scales_ptr, byte_shifts = _fragment_step_pointers(
+            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
+        second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
+            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + SLABS - 1, num_steps,
+            width)
+        # the tile's intermediate rows, whole (gate_up wrote zeros in its padding slots)
         copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
         copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY))
         rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
-        for first in gl.static_range(STAGES - 1):
-            async_copy.async_copy_global_to_shared(ring.index(first), rows_ptr + first * FRAGMENT_STEP)
-            async_copy.commit_group()
-        # the pipeline of nvfp4_gate_up_fragment_kernel, with one product
-        weights = _decode_fragment_step(*_load_fragment_step(words_ptr, scales_ptr, width, 0), byte_shifts, DOT_A)
-        codes = _load_fragment_step(words_ptr, scales_ptr, width, gl.minimum(1, num_steps - 1))
-        out = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 output columns, R slots]
-        for step in range(num_steps):
-            next_codes = _load_fragment_step(words_ptr, scales_ptr, width, gl.minimum(step + 2, num_steps - 1))
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()
-            fence_async_shared()
-            out = warpgroup_mma(weights, ring.index(step % STAGES).permute((1, 0)), out, is_async=True)
-            next_weights = _decode_fragment_step(*codes, byte_shifts, DOT_A)
-            out, weights = warpgroup_mma_wait(num_outstanding=0, deps=(out, weights))
-            async_copy.async_copy_global_to_shared(
-                ring.index((step + STAGES - 1) % STAGES),
-                rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP)
-            async_copy.commit_group()
-            weights, codes = next_weights, next_codes
-        async_copy.wait_group(0)
-        # the epilogue of nvfp4_down_kernel
-        out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
-        columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+        out, second_out = _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
+                                             byte_shifts, rows_ptr, None, num_steps, width, BLOCK_R, STAGES,
+                                             SLABS == 2)
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
-        pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
-        out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
-        mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
-        gl.store(pair_outputs_ptr + pair_rows[None, :] * hidden + columns[:, None], out, mask=mask[0] & mask[1])
+        _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
+                            BLOCK_R)
+        if SLABS == 2:
+            _store_pair_outputs(second_out, slab + 1, pairs, expert, routing_weights_ptr, global_scale_ptr,
+                                pair_outputs_ptr, hidden, BLOCK_R)
 
 
 E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
@@ -1248,10 +1272,11 @@ class PackedNVFP4Experts(torch.nn.Module):
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // FRAGMENT_ROWS.value)](
+        down_columns = tiles.down_columns or tiles.columns
+        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_block_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            self.num_experts, self.hidden, self.width, **common,
+            self.num_experts, self.hidden, self.width, SLABS=down_columns // FRAGMENT_ROWS.value, **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 

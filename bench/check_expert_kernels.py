@@ -132,7 +132,7 @@ def main() -> int:
             layer.simulate_fp4_activations = fragments.simulate_fp4_activations = simulate
             forward = functools.partial(serve_clef.PackedNVFP4Experts.forward_packed, layer) if kernels == "triton" \
                 else fragments.forward_fragments
-            for num_tokens in (1, 7, 512, 2048):
+            for num_tokens in (1, 7, 512, 2048, 4096, 8192):
                 inputs = routed_inputs(num_tokens, seed=num_tokens)
                 reference = layer.forward_unpacked(*inputs).float()
                 output, repeat = forward(*inputs), forward(*inputs)
