@@ -772,8 +772,8 @@ FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12
                                                   ("0x4342", ("$2", "$3"), ("$14", "$15")))))
 # Rows R per routed tile, pipeline stages and the down kernel's output columns (one slab of 64, or two) by mean pairs
 # per expert (T * K / E); on an H200 (2026-12-04, docs/benchmarks.md) R = 32 was the fastest at 64 tokens, 64 at 512
-# to 4,096 and 128 at 8,192; two slabs per down program were slower at 512 and 2,048 tokens (0.114 against 0.101 ms,
-# 0.276 against 0.252) and faster at 4,096 (0.513 against 0.547) and with R = 128 (0.649 against 0.880 ms at 6,144
+# to 4,096 and 128 at 8,192; two slabs per down program were slower at 512 and 2,048 tokens (0.116 against 0.101 ms,
+# 0.281 against 0.252) and faster at 4,096 (0.513 against 0.547) and with R = 128 (0.649 against 0.880 ms at 6,144
 # tokens, 0.841 against 1.120 at 8,192). Where one row gives way to the next between those counts is a judgement.
 # `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
