@@ -771,15 +771,14 @@ FRAGMENT_BYTES = ((0, 2), (1, 3), (4, 6), (5, 7))  # the weights j in each word 
 FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12", "$13")),
                                                   ("0x4342", ("$2", "$3"), ("$14", "$15")))))
 # Rows R per routed tile, pipeline stages and the down kernel's output columns (one slab of 64, or two) by mean pairs
-# per expert (T * K / E); on an H200 (2026-12-04, docs/benchmarks.md) R = 32 was the fastest at 64 tokens, 64 at 512
-# to 4,096 and 128 at 8,192; two slabs per down program were slower at 512 and 2,048 tokens (0.116 against 0.101 ms,
-# 0.281 against 0.252) and faster at 4,096 (0.513 against 0.547) and with R = 128 (0.649 against 0.880 ms at 6,144
-# tokens, 0.841 against 1.120 at 8,192). Where one row gives way to the next between those counts is a judgement.
-# `columns` and `reduced` are the fixed slab and step.
+# per expert (T * K / E). On an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at
+# 64 tokens, 64 with one down slab at 512 and 1,024, and 128 with two down slabs from 3,072 tokens on (4,096: 1.154
+# against 1.261-1.363 ms for the other three); at 2,048 those two were within 1% (0.675 and 0.682 ms). Two down slabs
+# lose with few tokens per expert (fewer programs, two per SM at 188 registers against five). Where one row gives way
+# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
-    (192, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
-    (256, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4, down_columns=2 * FRAGMENT_ROWS.value)),
+    (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
     (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=2 * FRAGMENT_ROWS.value)),
 )
 

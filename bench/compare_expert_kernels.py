@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_expert_kernels  # noqa: E402
 import serve_clef  # noqa: E402  (check_expert_kernels put the repository on the path)
 
-TOKEN_COUNTS = (1, 64, 512, 2048, 4096, 8192)
+TOKEN_COUNTS = (1, 64, 512, 1024, 2048, 3072, 4096, 6144, 8192)
 EXACT_MEAN_ERROR = 1e-4  # of the mean output, with power-of-two global scales
 # kernel set -> (the layer's method that runs it, whether it reads the codes in fragment order)
 KERNEL_SETS = {"triton": ("forward_packed", False), "gluon": ("forward_fragments", True)}
