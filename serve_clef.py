@@ -887,8 +887,9 @@ def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, seco
     fp32 products [64 slab rows, R], the second zeros for one slab.
 
     The activations go through a ring of cp.async copies in shared memory. Step 0 is decoded and step 1's codes are
-    in registers before the loop; each step loads step + 2's codes and decodes step + 1's while its own products
-    run, and keeps the products' weights until their wait, since the tensor cores read them from the registers."""
+    in registers before the loop; each step loads step + 2's codes, issues its products, decodes step + 1's codes and
+    then waits for the products, keeping their weights until then, since the tensor cores read them from registers.
+    (ptxas moves that wait before the decode: docs/expert-kernels.md, "Pipeline".)"""
     ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
     DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
     ring = _allocate_fragment_ring(BLOCK_R, STAGES)
@@ -1271,7 +1272,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        down_columns = tiles.down_columns or tiles.columns
+        down_columns = fitted_block(tiles.down_columns or tiles.columns, self.hidden)  # two slabs where they fit
         nvfp4_down_fragment_kernel[(num_tiles, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_block_scales.view(torch.int32), self.down_global_scale, pair_outputs,

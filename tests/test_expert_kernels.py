@@ -162,6 +162,40 @@ def test_fragment_order_puts_each_weight_where_the_operand_layout_reads_it():
             assert stored == int(codes[expert, row, column])
 
 
+class RecordedLaunches:
+    """Stands in for a Gluon kernel (which cannot run on CPU): records each launch's grid and constexprs."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("hidden", [192, 256])
+def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hidden):
+    """With many tokens per expert the down kernel takes two 64-column slabs a program; a hidden size that is a
+    multiple of 64 but not of 128 must still be covered, by one slab a program."""
+    config = tiny_text_config()
+    config.hidden_size, config.moe_intermediate_size = hidden, 64
+    experts = random_packed_experts(config, has_input_scales=False)
+    experts.to_fragment_order()
+    gate_up, down = RecordedLaunches(), RecordedLaunches()
+    monkeypatch.setattr(serve_clef, "nvfp4_gate_up_fragment_kernel", gate_up)
+    monkeypatch.setattr(serve_clef, "nvfp4_down_fragment_kernel", down)
+    generator = torch.Generator().manual_seed(5)
+    num_tokens = 1200  # 300 pairs per expert: the table's last row, two down slabs where they fit
+    hidden_states = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16)
+    top_k_weights, top_k_index = torch.randn(num_tokens, 8, generator=generator).softmax(-1).topk(2, dim=-1)
+    experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
+    (gate_up_grid, _), = gate_up.launches
+    (down_grid, down_constexprs), = down.launches
+    assert gate_up_grid[1] * 64 == config.moe_intermediate_size  # gate_up: a program per 64 columns of the width
+    assert down_grid[0] == gate_up_grid[0]  # the same routed tiles
+    assert down_grid[1] * down_constexprs["SLABS"] * 64 == hidden
+    assert down_constexprs["SLABS"] == (2 if hidden % 128 == 0 else 1)
+
+
 def test_fragment_order_replaces_the_codes_in_the_same_memory():
     """to_fragment_order swaps each projection's checkpoint-order codes for their fragment-order words (the same bytes
     reordered, no more memory) and leaves scales and global scales as they were."""
