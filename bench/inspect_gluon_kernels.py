@@ -1,0 +1,92 @@
+"""Compile serve_clef's Hopper (Gluon) expert kernels for sm_90a on any machine, GPU or not, and report what the
+assembler made of them: registers and spills per thread (which decide how many programs share an SM), shared
+memory, and optionally the SASS of one kernel, to read where ptxas put the waits (docs/expert-kernels.md, "Pipeline").
+
+Needs the triton whose Gluon dialect serve_clef is written against (3.6, the GPU image's; on a CPU machine:
+`pip install --target DIR triton==3.6.0` and DIR first on PYTHONPATH). Uses the ptxas and nvdisasm that triton ships.
+Compiles as the launcher does: pointers 16-byte aligned, hidden size and width multiples of 16.
+
+Usage: python3 bench/inspect_gluon_kernels.py [--sass gate_up|down --rows R [--slabs 2]] (SASS to stdout)
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+import serve_clef  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+POINTER_TYPES = {
+    "hidden_states_ptr": "*bf16", "intermediate_ptr": "*bf16", "routing_weights_ptr": "*bf16",
+    "pair_outputs_ptr": "*bf16", "slot_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "fragment_words_ptr": "*i32",
+    "block_scales_ptr": "*i32", "global_scale_ptr": "*fp32",
+}
+MULTIPLES_OF_16 = ("hidden", "width")
+
+
+def compile_for_hopper(kernel, constexprs: dict, num_warps: int = 4):
+    names = list(kernel.arg_names)
+    signature = {name: POINTER_TYPES.get(name, "constexpr" if name in constexprs else "i32") for name in names}
+    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+               if name in POINTER_TYPES or name in MULTIPLES_OF_16}
+    source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                            constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def assembler_report(compiled) -> dict:
+    """ptxas -v on the kernel's PTX: registers and spill bytes a thread; shared memory from triton's metadata."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+        ptx.write(compiled.asm["ptx"])
+    log = subprocess.run([TOOLS / "ptxas", "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True)
+    os.unlink(ptx.name)
+    text = log.stdout + log.stderr
+    registers = int(re.search(r"Used (\d+) registers", text).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", text).group(1))
+    threads = 32 * compiled.metadata.num_warps
+    # by registers (allocated 8 a thread at a time), shared memory (1 KiB a program for the driver) and 64 warps
+    programs_per_sm = min(65536 // (-(-registers // 8) * 8 * threads), 228 * 1024 // (compiled.metadata.shared + 1024),
+                          64 * 32 // threads)
+    return {"registers": registers, "spill_stores_bytes": spilled, "shared_bytes": compiled.metadata.shared,
+            "programs_per_sm": programs_per_sm}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", choices=("gate_up", "down"), help="print this kernel's SASS instead")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--slabs", type=int, default=1, help="the down kernel's output slabs per program")
+    args = parser.parse_args()
+    kernels = {"gate_up": serve_clef.nvfp4_gate_up_fragment_kernel, "down": serve_clef.nvfp4_down_fragment_kernel}
+    if args.sass:
+        stages = next(tiles.num_stages for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
+        constexprs = {"BLOCK_R": args.rows, "STAGES": stages} | ({"SLABS": args.slabs} if args.sass == "down" else {})
+        compiled = compile_for_hopper(kernels[args.sass], constexprs)
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+            cubin.write(compiled.asm["cubin"])
+        subprocess.run([TOOLS / "nvdisasm", "-c", cubin.name], check=True)
+        os.unlink(cubin.name)
+        return 0
+    print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
+    for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
+        slabs = (tiles.down_columns or tiles.columns) // serve_clef.FRAGMENT_ROWS.value
+        common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages}
+        for name, constexprs in (("gate_up", common), ("down", common | {"SLABS": slabs})):
+            report = assembler_report(compile_for_hopper(kernels[name], constexprs, tiles.num_warps))
+            print(f"up to {most_pairs_per_expert or 'any number of'} pairs per expert, R = {tiles.rows}, {name}"
+                  f"{f', {slabs} output slab(s) a program' if name == 'down' else ''}: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
