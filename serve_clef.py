@@ -749,27 +749,65 @@ def fitted_block(block: int, size: int) -> int:
 # decoded tile goes through shared memory (where the Triton kernels' time goes: docs/expert-kernels.md). For that the
 # codes are rewritten once, at load, in fragment order: each 32-bit word holds the eight weights that one thread holds
 # in its operand registers for one k16 slice, so a thread reads its four words of a step in one 16-byte load and hands
-# each word whole to the decode PTX; the e4m3 block scales stay as the checkpoint has them, four (a row's step) read as
-# one word. The activations (gate_up: gathered by token; down: the intermediate rows) go through a ring of cp.async
+# each word whole to the decode PTX; the block scales stay in the checkpoint's order, four (a row's step) read as one
+# word, each byte rewritten so that two become BF16 in two instructions (fragment_scales). The activations (gate_up: gathered by token; down: the intermediate rows) go through a ring of cp.async
 # copies in shared memory, the tensor cores' right operand. The W4A4 replay rounds the gate_up input before the
 # gate_up kernel and the down input between the two, with the Triton kernels' rounding (round_activations_to_nvfp4).
 # Gluon has no interpreter, so these kernels run on the GPU only: bench/check_expert_kernels.py compares them there
 # with the unpack reference, and the tests check on CPU the fragment order and the decode PTX, instruction by
 # instruction.
-#
-# The operand's register layout (Hopper's wgmma A fragment, BF16): thread (warp w, lane 4 rl + q) holds, of k16 slice
-# s, the weights at rows r = 16 w + rl + 8 e and reduced columns 16 s + 8 h + 2 q + p, for e, h, p in {0, 1}, in its
-# registers in the order j = p + 2 e + 4 h. Its word for slice s carries weight j in the nibble the decode reads it
-# from: j0 j1 the low nibbles of bytes 0 and 1, j2 j3 their high nibbles, j4-j7 the same of bytes 2 and 3.
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
 FRAGMENT_STEP = gl.constexpr(64)  # reduced columns per step: four k16 slices
 FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weights each
 # words [w, rl, q, s]: lanes (rl, q), warps w, a thread's four words of a step in its registers (one 16-byte load)
 FRAGMENT_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
 FRAGMENT_ROWS_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte copies of [R, 64]
-FRAGMENT_BYTES = ((0, 2), (1, 3), (4, 6), (5, 7))  # the weights j in each word byte's (low nibble, high nibble)
-FRAGMENT_WORD_PTX = gl.constexpr(decode_e2m1_ptx((("0x4140", ("$0", "$1"), ("$12", "$13")),
-                                                  ("0x4342", ("$2", "$3"), ("$14", "$15")))))
+# The operand's register layout (Hopper's wgmma A fragment, BF16): thread (warp w, lane 4 rl + q) holds, of k16 slice
+# s, the weights at rows r = 16 w + rl + 8 e and reduced columns 16 s + 8 h + 2 q + p, for e, h, p in {0, 1}, in its
+# registers in the order j = p + 2 e + 4 h: BF16 pair k = e + 2 h holds weights 2k (low half) and 2k + 1 (high half).
+# Its word for slice s keeps weight j in half p (bits 16p to 16p + 15), where the decode wants it rather than as a
+# nibble: within the half, pair k's magnitude bits (e1 e0 m, code & 7) start at bit FRAGMENT_PLACES[k][0] and its sign
+# bit (code >> 3) sits at bit FRAGMENT_PLACES[k][1]. A BF16 reading e2m1 * 2**-126 keeps the magnitude at bits 6-8 and
+# the sign at 15, so pair 0 is one mask, pair 1 a shift and a mask, pairs 2 and 3 two shifts and two masks: 11 integer
+# instructions for eight weights, the fewest any placement allows, against 18 for nibbles (docs/expert-kernels.md).
+FRAGMENT_PLACES = ((6, 15), (3, 12), (0, 13), (9, 14))  # pair k: (lowest magnitude bit, sign bit) in each half
+# The block scales are kept in the checkpoint's order, one byte each, but as what the kernels need: scale * 2**118 in
+# BF16 is a normal number whose exponent lies in [FRAGMENT_SCALE_EXPONENT, +17] and whose 4 low mantissa bits are 0,
+# so (its bits - FRAGMENT_SCALE_EXPONENT << 7) >> 4 fits a byte, and one multiply-add gives two BF16 scales back.
+FRAGMENT_SCALE_EXPONENT = 236  # of 2**-9 * 2**118, the smallest positive e4m3 value
+FRAGMENT_SCALE_OFFSET = FRAGMENT_SCALE_EXPONENT << 7 | FRAGMENT_SCALE_EXPONENT << 23  # both halves
+
+
+def decode_fragment_word_ptx(places: tuple[tuple[int, int], ...]) -> str:
+    """The decode of one fragment word ($4; $5-$11 its unused copies) into four BF16 pairs $0-$3, pair k multiplied by
+    its block scales $12 + k (scale * 2**118, BF16 pairs): each half's magnitude bits moved to 6-8 and sign to 15, read
+    as e2m1 * 2**-126, times the scale: e2m1 * block_scale * 2**-8, exactly."""
+    lines = [".reg .b32 magnitude, sign, negative_zero;", "mov.b32 negative_zero, 0x80008000;"]
+
+    def shifted(target: str, shift: int) -> str:  # the word moved left by `shift` bits (right when negative)
+        if shift == 0:
+            return "$4"
+        lines.append(f"{'shl' if shift > 0 else 'shr'}.b32 {target}, $4, {abs(shift)};")
+        return target
+
+    for pair, (magnitude_bit, sign_bit) in enumerate(places):
+        magnitude_shift, sign_shift = 6 - magnitude_bit, 15 - sign_bit
+        if magnitude_shift == sign_shift:
+            lines.append(f"and.b32 ${pair}, {shifted('magnitude', magnitude_shift)}, 0x81C081C0;")
+        else:
+            lines += [f"and.b32 magnitude, {shifted('magnitude', magnitude_shift)}, 0x01C001C0;",
+                      f"and.b32 sign, {shifted('sign', sign_shift)}, 0x80008000;",
+                      f"or.b32 ${pair}, magnitude, sign;"]
+        lines.append(f"fma.rn.bf16x2 ${pair}, ${pair}, ${12 + pair}, negative_zero;")  # a product, exactly
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+FRAGMENT_WORD_PTX = gl.constexpr(decode_fragment_word_ptx(FRAGMENT_PLACES))
+# A row's four scale bytes of a step ($2; $3-$5 its unused copies) -> the BF16 scales of slices 0, 1 ($0) and 2, 3 ($1)
+FRAGMENT_SCALES_PTX = gl.constexpr(
+    "{\n.reg .b32 spread;\n" + "\n".join(
+        f"prmt.b32 spread, $2, 0, {selector};\nmad.lo.u32 ${pair}, spread, 16, {FRAGMENT_SCALE_OFFSET:#x};"
+        for pair, selector in enumerate(("0x4140", "0x4342"))) + "\n}")
 # Rows R per routed tile, pipeline stages and the down kernel's output columns (one slab of 64, or two) by mean pairs
 # per expert (T * K / E). On an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at
 # 64 tokens, 64 with one down slab at 512 and 1,024, and 128 with two down slabs from 3,072 tokens on (4,096: 1.154
@@ -785,27 +823,64 @@ FRAGMENT_TILES = (
 
 def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
     """Packed codes uint8 [E, O, C/2] (two E2M1 codes a byte, column 2i in the low nibble) -> int32 words
-    [E, O/64 slabs, C/64 steps, 512] in fragment order: word (w, rl, q, s) of a slab's step, as the comment above."""
+    [E, O/64 slabs, C/64 steps, 512] in fragment order: word (w, rl, q, s) of a slab's step, its weights placed as
+    FRAGMENT_PLACES says. Eight experts at a time, so the load needs little memory beside the codes."""
     num_experts, rows, half_columns = packed_codes.shape
     slabs, steps = rows // 64, half_columns * 2 // 64
-    codes = torch.stack((packed_codes & 0xF, packed_codes >> 4), dim=-1)  # [E, O, C/2, 2]: one code a byte
-    # row = 64 slab + 16 w + 8 e + rl; column = 64 step + 16 s + 8 h + 2 q + p
-    codes = codes.view(num_experts, slabs, 4, 2, 8, steps, 4, 2, 4, 2)  # E slab w e rl step s h q p
-    codes = codes.permute(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(num_experts, slabs, steps, 512, 8)
-    word_bytes = torch.stack([codes[..., low] | (codes[..., high] << 4) for low, high in FRAGMENT_BYTES], dim=-1)
-    return word_bytes.contiguous().view(torch.int32).squeeze(-1)  # [E, O/64, C/64, 512]
+    words = torch.empty(num_experts, slabs, steps, 512, dtype=torch.int32, device=packed_codes.device)
+    for first in range(0, num_experts, 8):
+        chunk = packed_codes[first:first + 8]
+        codes = torch.stack((chunk & 0xF, chunk >> 4), dim=-1).int()  # [8, O, C/2, 2]: one code an int
+        # row = 64 slab + 16 w + 8 e + rl; column = 64 step + 16 s + 8 h + 2 q + p; pair k = e + 2 h
+        codes = codes.view(-1, slabs, 4, 2, 8, steps, 4, 2, 4, 2)  # e slab w e rl step s h q p
+        codes = codes.permute(0, 1, 5, 2, 4, 8, 6, 7, 3, 9).reshape(-1, slabs, steps, 512, 4, 2)  # [..., k, p]
+        word = torch.zeros(codes.shape[:4], dtype=torch.int32, device=codes.device)
+        for pair, (magnitude_bit, sign_bit) in enumerate(FRAGMENT_PLACES):
+            for half in (0, 1):
+                code = codes[..., pair, half]
+                word |= (code & 7) << (magnitude_bit + 16 * half) | (code >> 3) << (sign_bit + 16 * half)
+        words[first:first + 8] = word
+    return words  # [E, O/64, C/64, 512]
 
 
 def packed_codes_from_fragment_words(words: torch.Tensor) -> torch.Tensor:
-    """fragment_words undone: int32 [E, O/64, C/64, 512] -> the checkpoint's packed codes uint8 [E, O, C/2]."""
+    """fragment_words undone: int32 [E, O/64, C/64, 512] -> the packed codes uint8 [E, O, C/2]."""
     num_experts, slabs, steps, _ = words.shape
-    word_bytes = words.contiguous().view(torch.uint8).view(num_experts, slabs, steps, 512, 4)
-    codes = torch.empty(*word_bytes.shape[:4], 8, dtype=torch.uint8, device=words.device)  # [E, slab, step, 512, j]
-    for byte, (low, high) in enumerate(FRAGMENT_BYTES):
-        codes[..., low], codes[..., high] = word_bytes[..., byte] & 0xF, word_bytes[..., byte] >> 4
+    codes = torch.empty(*words.shape, 4, 2, dtype=torch.int32, device=words.device)  # [E, slab, step, 512, k, p]
+    for pair, (magnitude_bit, sign_bit) in enumerate(FRAGMENT_PLACES):
+        for half in (0, 1):
+            magnitude, sign = words >> (magnitude_bit + 16 * half) & 7, words >> (sign_bit + 16 * half) & 1
+            codes[..., pair, half] = magnitude | sign << 3
     codes = codes.view(num_experts, slabs, steps, 4, 8, 4, 4, 2, 2, 2)  # E slab step w rl q s h e p
     codes = codes.permute(0, 1, 3, 8, 4, 2, 6, 7, 5, 9).reshape(num_experts, slabs * 64, steps * 32, 2)
-    return codes[..., 0] | (codes[..., 1] << 4)  # [E, O, C/2]: column 2i in the low nibble
+    return (codes[..., 0] | codes[..., 1] << 4).to(torch.uint8)  # [E, O, C/2]: column 2i in the low nibble
+
+
+def with_positive_block_scales(packed_codes: torch.Tensor, block_scales: torch.Tensor):
+    """The same weights, every block scale positive (what fragment_scales can keep): a block whose scale is negative
+    gets its codes' signs flipped and the scale's magnitude; one whose scale is zero keeps only its codes' signs (zeros
+    of the same sign) and gets the smallest e4m3 scale. Codes uint8 [E, O, C/2], scales float8_e4m3fn [E, O, C/16] ->
+    the same two."""
+    scale_bytes = block_scales.view(torch.uint8)
+    blocks = packed_codes.view(*scale_bytes.shape, 8)  # [E, O, C/16, 8]: a block's 16 codes in 8 bytes
+    negative, zero = (scale_bytes & 0x80) != 0, (scale_bytes & 0x7F) == 0
+    blocks = torch.where(negative[..., None], blocks ^ 0x88, blocks)
+    blocks = torch.where(zero[..., None], blocks & 0x88, blocks)
+    scale_bytes = torch.where(zero, 1, scale_bytes & 0x7F).to(torch.uint8)  # 0x01: 2**-9
+    return blocks.view(packed_codes.shape), scale_bytes.view(torch.float8_e4m3fn)
+
+
+def fragment_scales(block_scales: torch.Tensor) -> torch.Tensor:
+    """Positive e4m3 block scales -> the byte the gluon kernels read for each (FRAGMENT_SCALE_EXPONENT's comment):
+    (BF16 bits of scale * 2**118 - FRAGMENT_SCALE_EXPONENT << 7) >> 4, uint8 of the same shape."""
+    bits = (block_scales.float() * 2.0**118).to(torch.bfloat16).view(torch.int16).int()  # exact, all positive
+    return ((bits - (FRAGMENT_SCALE_EXPONENT << 7)) >> 4).to(torch.uint8)
+
+
+def block_scales_from_fragment_scales(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """fragment_scales undone: uint8 -> float8_e4m3fn of the same shape."""
+    bits = (scale_bytes.int() << 4) + (FRAGMENT_SCALE_EXPONENT << 7)
+    return (bits.to(torch.int16).view(torch.bfloat16).float() * 2.0**-118).to(torch.float8_e4m3fn)
 
 
 @gluon.jit
@@ -817,19 +892,20 @@ def _repeat_eight(x):
 
 
 @gluon.jit
-def _fragment_scales(scale_words, byte_shifts):
-    """int32 [w, rl, q]: a row's four e4m3 block scales of a step -> BF16 [w, rl, q, s], times 2**118 (exact)."""
-    scale_bytes = ((gl.expand_dims(scale_words, 3) >> byte_shifts) & 0xFF).to(gl.uint8)
-    scales = scale_bytes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * BLOCK_SCALE_TO_DECODE
-    return scales.to(gl.bfloat16)
+def _fragment_scales(scale_words, slices):
+    """int32 [w, rl, q]: a row's four block scale bytes of a step (fragment_scales) -> BF16 [w, rl, q, s], the scales
+    times 2**118 (exact); `slices` [1, 1, 1, s] only gives the result its shape and layout."""
+    scale_words = gl.expand_dims(scale_words, 3) + slices * 0
+    return gl.inline_asm_elementwise(FRAGMENT_SCALES_PTX, "=r,=r,r,r,r,r", [scale_words], dtype=gl.bfloat16,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
-def _decode_fragment_step(words, scale_words, scale_words_8, byte_shifts, DOT_A: gl.constexpr):
+def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.constexpr):
     """One step of a slab: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the weights BF16
     [64 rows, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register layout; asserted, so no
     data moves between threads)."""
-    scales, scales_8 = _fragment_scales(scale_words, byte_shifts), _fragment_scales(scale_words_8, byte_shifts)
+    scales, scales_8 = _fragment_scales(scale_words, slices), _fragment_scales(scale_words_8, slices)
     scales = gl.join(gl.join(scales, scales), gl.join(scales_8, scales_8))  # [w, rl, q, s, h, e]
     scales = gl.join(scales, scales)  # [w, rl, q, s, h, e, p]
     # not pure: the compiler keeps the decode where it is written, between the products it overlaps and their wait
@@ -855,7 +931,7 @@ def _allocate_fragment_ring(BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
 @gluon.jit
 def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced):
     """Pointers to step 0 of a slab: its words [w, rl, q, s] and row r's scale word [w, rl, q] (row r + 8's lie
-    8 * reduced / 64 further), and the byte shifts [1, 1, 1, s] that take a slice's scale out of a scale word."""
+    8 * reduced / 64 further), and the slices [1, 1, 1, s] that give a step's scales their layout."""
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
     rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, FRAGMENT_WORDS))))
@@ -868,7 +944,7 @@ def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_step
     words_ptr = fragment_words_ptr + first_word + ((w * 8 + rl) * 4 + q) * 4 + s  # [w, rl, q, s]
     rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r of the slab
     scales_ptr = block_scales_ptr + (slab.to(gl.int64) * FRAGMENT_ROWS + rows) * (reduced // 64)
-    return words_ptr, scales_ptr, s * 8
+    return words_ptr, scales_ptr, s
 
 
 @gluon.jit
@@ -879,7 +955,7 @@ def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
 
 
 @gluon.jit
-def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, byte_shifts, rows_ptr,
+def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices, rows_ptr,
                        rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
                        TWO_SLABS: gl.constexpr):
     """One slab's, or two slabs', weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of
@@ -900,11 +976,11 @@ def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, seco
     first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
     second = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)
     first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
-                                          byte_shifts, DOT_A)
+                                          slices, DOT_A)
     first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     if TWO_SLABS:
         second_weights = _decode_fragment_step(*_load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0),
-                                               byte_shifts, DOT_A)
+                                               slices, DOT_A)
         second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     for step in range(num_steps):
         ahead = gl.minimum(step + 2, num_steps - 1)
@@ -918,9 +994,9 @@ def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, seco
         first = warpgroup_mma(first_weights, rows, first, is_async=True)
         if TWO_SLABS:
             second = warpgroup_mma(second_weights, rows, second, is_async=True)
-        next_first_weights = _decode_fragment_step(*first_codes, byte_shifts, DOT_A)
+        next_first_weights = _decode_fragment_step(*first_codes, slices, DOT_A)
         if TWO_SLABS:
-            next_second_weights = _decode_fragment_step(*second_codes, byte_shifts, DOT_A)
+            next_second_weights = _decode_fragment_step(*second_codes, slices, DOT_A)
             first, second, first_weights, second_weights = warpgroup_mma_wait(
                 num_outstanding=0, deps=(first, second, first_weights, second_weights))
         else:
@@ -941,7 +1017,7 @@ def nvfp4_gate_up_fragment_kernel(
     hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
     slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
     fragment_words_ptr,  # int32 [E, 2I/64, H/64, 512]: gate slabs, then up slabs, in fragment order
-    block_scales_ptr,  # int32 [E, 2I, H/64]: the e4m3 block scales, four to a word
+    block_scales_ptr,  # int32 [E, 2I, H/64]: the block scales as fragment_scales keeps them, four to a word
     global_scale_ptr,  # fp32 [E, 2]
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot
     num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
@@ -953,7 +1029,7 @@ def nvfp4_gate_up_fragment_kernel(
         ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
         num_steps = hidden // FRAGMENT_STEP
         gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
-        gate_words_ptr, gate_scales_ptr, byte_shifts = _fragment_step_pointers(
+        gate_words_ptr, gate_scales_ptr, slices = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
         up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
@@ -964,7 +1040,7 @@ def nvfp4_gate_up_fragment_kernel(
         tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
         rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
         rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
-        gate, up = _fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, byte_shifts,
+        gate, up = _fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices,
                                       rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True)
         # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
         gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
@@ -997,7 +1073,7 @@ def nvfp4_down_fragment_kernel(
     slot_pairs_ptr, tile_experts_ptr,  # as for nvfp4_gate_up_kernel
     routing_weights_ptr,  # BF16 [S]
     fragment_words_ptr,  # int32 [E, H/64, I/64, 512]
-    block_scales_ptr,  # int32 [E, H, I/64]
+    block_scales_ptr,  # int32 [E, H, I/64]: as for nvfp4_gate_up_fragment_kernel
     global_scale_ptr,  # fp32 [E]
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
@@ -1010,7 +1086,7 @@ def nvfp4_down_fragment_kernel(
         ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
         num_steps = width // FRAGMENT_STEP
         slab = SLABS * slab_group
-        first_words_ptr, first_scales_ptr, byte_shifts = _fragment_step_pointers(
+        first_words_ptr, first_scales_ptr, slices = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
         second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + SLABS - 1, num_steps,
@@ -1020,7 +1096,7 @@ def nvfp4_down_fragment_kernel(
         copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY))
         rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
         out, second_out = _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
-                                             byte_shifts, rows_ptr, None, num_steps, width, BLOCK_R, STAGES,
+                                             slices, rows_ptr, None, num_steps, width, BLOCK_R, STAGES,
                                              SLABS == 2)
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
         _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
@@ -1169,24 +1245,32 @@ class PackedNVFP4Experts(torch.nn.Module):
 
     @torch.no_grad()
     def to_fragment_order(self) -> None:
-        """For the gluon kernels: each projection's codes rewritten in fragment order, in place of the checkpoint's
-        order (the same bytes, so the same memory once the old ones are freed)."""
+        """For the gluon kernels: each projection's codes rewritten in fragment order and its block scales as the
+        bytes the kernels read (fragment_scales), in place of the checkpoint's (the same number of bytes, so the same
+        memory once the old ones are freed). A block with a zero or negative scale is first rewritten as the same
+        weights with a positive one (with_positive_block_scales)."""
         for group in ("gate_up", "down"):
-            self.register_buffer(f"{group}_fragment_words", fragment_words(getattr(self, f"{group}_packed_codes")))
+            packed_codes, block_scales = with_positive_block_scales(getattr(self, f"{group}_packed_codes"),
+                                                                    getattr(self, f"{group}_block_scales"))
             delattr(self, f"{group}_packed_codes")
+            delattr(self, f"{group}_block_scales")
+            self.register_buffer(f"{group}_fragment_words", fragment_words(packed_codes))
+            self.register_buffer(f"{group}_fragment_scales", fragment_scales(block_scales))
 
-    def checkpoint_order_codes(self, group: str) -> torch.Tensor:
-        """A projection's packed codes [E, O, C/2] in the checkpoint's order, whichever order they are kept in."""
+    def checkpoint_layout(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A projection's packed codes uint8 [E, O, C/2] and block scales float8_e4m3fn [E, O, C/16] as checkpoints
+        lay them out, whichever way they are kept (after to_fragment_order, the same weights: a zero or negative
+        scale's block may come back rewritten)."""
         if hasattr(self, f"{group}_fragment_words"):
-            return packed_codes_from_fragment_words(getattr(self, f"{group}_fragment_words"))
-        return getattr(self, f"{group}_packed_codes")
+            return (packed_codes_from_fragment_words(getattr(self, f"{group}_fragment_words")),
+                    block_scales_from_fragment_scales(getattr(self, f"{group}_fragment_scales")))
+        return getattr(self, f"{group}_packed_codes"), getattr(self, f"{group}_block_scales")
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
-        unpack = unpack_nvfp4_compiled if self.gate_up_block_scales.is_cuda else unpack_nvfp4
-        gate_up_proj = unpack(self.checkpoint_order_codes("gate_up"), self.gate_up_block_scales,
-                              self.gate_up_global_scale)
-        down_proj = unpack(self.checkpoint_order_codes("down"), self.down_block_scales, self.down_global_scale)
+        unpack = unpack_nvfp4_compiled if self.gate_up_global_scale.is_cuda else unpack_nvfp4
+        gate_up_proj = unpack(*self.checkpoint_layout("gate_up"), self.gate_up_global_scale)
+        down_proj = unpack(*self.checkpoint_layout("down"), self.down_global_scale)
         return gate_up_proj, down_proj
 
     @torch.no_grad()
@@ -1265,7 +1349,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
             gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
-            self.gate_up_block_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
+            self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
             self.hidden, self.width, pairs_per_row, **common,
         )
         if self.simulate_fp4_activations:
@@ -1275,7 +1359,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         down_columns = fitted_block(tiles.down_columns or tiles.columns, self.hidden)  # two slabs where they fit
         nvfp4_down_fragment_kernel[(num_tiles, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
-            self.down_fragment_words, self.down_block_scales.view(torch.int32), self.down_global_scale, pair_outputs,
+            self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
             self.num_experts, self.hidden, self.width, SLABS=down_columns // FRAGMENT_ROWS.value, **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum

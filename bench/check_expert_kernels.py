@@ -58,12 +58,14 @@ def other_version(path: Path):
     return module
 
 
-def random_layer(power_of_two_global_scales: bool, seed: int) -> serve_clef.PackedNVFP4Experts:
+def random_layer(power_of_two_global_scales: bool, seed: int, version=serve_clef) -> serve_clef.PackedNVFP4Experts:
+    """A random full-size layer of `version`'s experts class (this tree's, or another_version's: the same weights for
+    the same seed)."""
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(seed)
     config = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
     with torch.device(device):
-        layer = serve_clef.PackedNVFP4Experts(config, F.silu, has_input_scales=True)
+        layer = version.PackedNVFP4Experts(config, F.silu, has_input_scales=True)
     for name in ("gate_up", "down"):
         codes = getattr(layer, f"{name}_packed_codes")
         codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16))

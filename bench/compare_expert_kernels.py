@@ -1,8 +1,9 @@
 """Time this tree's packed-expert kernels against another version of serve_clef.py, side by side in one run (H200).
 
-Both run on the same random full-size layer (128 experts, hidden 2048, width 768, top-8) and the same routed inputs,
-each as served (its own tile tables) and captured in a CUDA graph, as the engine runs a layer: the Triton kernels,
-and on a Hopper GPU the gluon kernels (the layer's codes then in fragment order). First, each version's output is
+Both run the same random full-size weights (128 experts, hidden 2048, width 768, top-8), each version in a layer of
+its own class (as it keeps them), on the same routed inputs, each as served (its own tile tables) and captured in a
+CUDA graph, as the engine runs a layer: the Triton kernels, and on a Hopper GPU the gluon kernels (the layer's codes
+then in fragment order). First, each version's output is
 compared with the unpack path on a layer with power-of-two global scales, where every weight is exact in BF16 on
 both paths: a mean error above 1e-4 of the mean output counts as a failure (the exit status).
 
@@ -36,33 +37,37 @@ def main() -> int:
     failures = 0
 
     for kernels, (method, fragment_order) in kernel_sets.items():
-        versions = {f"this tree, {kernels}": getattr(serve_clef.PackedNVFP4Experts, method),
-                    f"{other_path.name}, {kernels}": getattr(other.PackedNVFP4Experts, method)}
-        exact_layer = check_expert_kernels.random_layer(True, seed=2)
-        references = {num_tokens: exact_layer.forward_unpacked(*check_expert_kernels.routed_inputs(
+        # each version runs on a layer of its own class (the two may keep the weights differently), the same weights
+        versions = {f"this tree, {kernels}": serve_clef, f"{other_path.name}, {kernels}": other}
+        unpacked = check_expert_kernels.random_layer(True, seed=2)
+        references = {num_tokens: unpacked.forward_unpacked(*check_expert_kernels.routed_inputs(
             num_tokens, seed=num_tokens)).float() for num_tokens in (7, 512)}
-        if fragment_order:
-            exact_layer.to_fragment_order()
-        for name, forward in versions.items():
+        del unpacked
+        layers = {}
+        for name, version in versions.items():
+            exact_layer = check_expert_kernels.random_layer(True, seed=2, version=version)
+            layers[name] = check_expert_kernels.random_layer(False, seed=3, version=version)
+            if fragment_order:
+                exact_layer.to_fragment_order()
+                layers[name].to_fragment_order()
             for num_tokens, reference in references.items():
                 inputs = check_expert_kernels.routed_inputs(num_tokens, seed=num_tokens)
-                error = ((forward(exact_layer, *inputs).float() - reference).abs().mean()
+                error = ((getattr(exact_layer, method)(*inputs).float() - reference).abs().mean()
                          / reference.abs().mean()).item()
                 failures += not error <= EXACT_MEAN_ERROR
                 report["exact"][f"{name}, {num_tokens} tokens"] = error
                 print(f"{name}: {num_tokens} tokens, mean |err| against unpack {error:.2e} of mean |out| "
                       f"(gate {EXACT_MEAN_ERROR})", flush=True)
+            del exact_layer
 
-        layer = check_expert_kernels.random_layer(False, seed=3)
-        if fragment_order:
-            layer.to_fragment_order()
         for num_tokens in TOKEN_COUNTS:
             inputs = check_expert_kernels.routed_inputs(num_tokens, seed=10 + num_tokens)
-            row = {name: check_expert_kernels.graph_ms(lambda: forward(layer, *inputs))
-                   for name, forward in versions.items()}
+            row = {name: check_expert_kernels.graph_ms(lambda layer=layer: getattr(layer, method)(*inputs))
+                   for name, layer in layers.items()}
             report["milliseconds"].setdefault(num_tokens, {}).update(row)
             print(f"{num_tokens:5} tokens: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in row.items()),
                   flush=True)
+        del layers
 
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "compare_expert_kernels.json").write_text(json.dumps(report, indent=2))

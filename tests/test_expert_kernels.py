@@ -85,9 +85,14 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
             pool = (a | b << 32).to_bytes(8, "little")
             result = int.from_bytes(bytes(pool[(selector >> 4 * i) & 7] for i in range(4)), "little")
             assert all((selector >> 4 * i) & 8 == 0 for i in range(4))  # no sign replication used
-        elif opcode in ("shl.b32", "and.b32", "or.b32"):
+        elif opcode in ("shl.b32", "shr.b32", "and.b32", "or.b32"):
             a, b = (value(source) for source in sources)
-            result = {"shl.b32": a << b, "and.b32": a & b, "or.b32": a | b}[opcode] & 0xFFFFFFFF
+            operation = {"shl.b32": int.__lshift__, "shr.b32": int.__rshift__, "and.b32": int.__and__,
+                         "or.b32": int.__or__}[opcode]
+            result = operation(a, b) & 0xFFFFFFFF
+        elif opcode == "mad.lo.u32":  # the low 32 bits of a * b + c
+            a, b, c = (value(source) for source in sources)
+            result = (a * b + c) & 0xFFFFFFFF
         elif opcode == "fma.rn.bf16x2":  # per half, a * b + c rounded to BF16 (the products here are exact)
             a, b, c = (bf16_pair(value(source)) for source in sources)
             products = torch.tensor([x * y + z for x, y, z in zip(a, b, c)], dtype=torch.float64)
@@ -121,45 +126,81 @@ def test_the_gpu_decode_gives_every_code_times_its_block_scale():
             assert even[k] == E2M1_VALUES[byte & 0xF] * scales[k] * 2.0**-8, (byte, scales[k])
             assert odd[k] == E2M1_VALUES[byte >> 4] * scales[k] * 2.0**-8, (byte, scales[k])
 
-FRAGMENT_NIBBLES = ((0, 0), (1, 0), (0, 4), (1, 4), (2, 0), (3, 0), (2, 4), (3, 4))  # weight j: (byte, shift)
+E4M3_POSITIVE = torch.arange(1, 0x7F, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)  # 2**-9 to 448
 
 
-def test_the_gluon_decode_gives_each_fragment_weight_times_its_block_scale():
-    """FRAGMENT_WORD_PTX on every byte value: weight j of a word (element j of the 8 the Gluon kernels hand it, out
-    as BF16 pairs $0-$3) is e2m1 of the nibble the fragment order puts it in, times its scale times 2**-8; $12-$15
-    hold the scales of weights (0, 1) ... (6, 7), the same in both halves as the kernels pass them."""
-    block_scales = [2.0**-9, 0.0234375, 1.0, 1.125, 3.5, 100.0, 240.0, 448.0]  # e4m3 values
-    for first_byte in range(0, 256, 4):
-        word_bytes = [first_byte, (first_byte + 77) % 256, (first_byte + 150) % 256, 255 - first_byte]
-        scales = [block_scales[(first_byte // 4 + k) % len(block_scales)] for k in range(4)]
-        registers = {"$4": int.from_bytes(bytes(word_bytes), "little")}
+def run_fragment_scales_ptx(scale_word: int) -> list[float]:
+    """FRAGMENT_SCALES_PTX on one word of four scale bytes ($2; $3-$5 its unused copies) -> its four BF16 scales."""
+    out = run_ptx(serve_clef.FRAGMENT_SCALES_PTX.value, {"$2": scale_word, "$3": 0, "$4": 0, "$5": 0})
+    return [*bf16_pair(out["$0"]), *bf16_pair(out["$1"])]
+
+
+def test_every_positive_e4m3_scale_comes_back_from_its_byte_times_2_to_the_118():
+    """fragment_scales on every positive e4m3 value, subnormals included, then the kernels' two instructions a pair
+    of scales: torch's own e4m3 value times 2**118, exactly; and block_scales_from_fragment_scales undoes it."""
+    scale_bytes = serve_clef.fragment_scales(E4M3_POSITIVE)
+    assert scale_bytes.dtype == torch.uint8
+    for first in range(0, len(E4M3_POSITIVE) - 3, 4):
+        word = int.from_bytes(bytes(scale_bytes[first:first + 4].tolist()), "little")
+        expected = [value * 2.0**118 for value in E4M3_POSITIVE[first:first + 4].double().tolist()]
+        assert run_fragment_scales_ptx(word) == expected
+    back = serve_clef.block_scales_from_fragment_scales(scale_bytes)
+    assert torch.equal(back.view(torch.uint8), E4M3_POSITIVE.view(torch.uint8))
+
+
+def test_zero_and_negative_block_scales_become_positive_ones_with_the_same_weights():
+    """with_positive_block_scales: the dequantized weights (test_nvfp4's formula) are unchanged, bit for bit, and
+    every scale is positive, so that fragment_scales can keep it."""
+    generator = torch.Generator().manual_seed(11)
+    packed_codes = torch.randint(0, 256, (2, 4, 32), generator=generator, dtype=torch.int16).to(torch.uint8)
+    scale_bytes = torch.randint(1, 0x7F, (2, 4, 4), generator=generator, dtype=torch.int16).to(torch.uint8)
+    scale_bytes[0, 0, :2] = torch.tensor([0x00, 0x80], dtype=torch.uint8)  # +0 and -0
+    scale_bytes[1, 2] |= 0x80  # a row of negative scales
+    scale_bytes[1, 3, 1] |= 0x80  # and one beside positive ones
+    block_scales = scale_bytes.view(torch.float8_e4m3fn)
+    global_scale = torch.tensor([0.5, 3.0])
+    codes, scales = serve_clef.with_positive_block_scales(packed_codes, block_scales)
+    assert (scales.float() > 0).all()
+    assert torch.equal(reference_dequantize(codes, scales, global_scale).view(torch.int16),
+                       reference_dequantize(packed_codes, block_scales, global_scale).view(torch.int16))
+
+
+def fragment_operand_weights(words: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """What the Gluon kernels hand the tensor cores, worked out on CPU: each fragment word (int32 [E, O/64, C/64, 512])
+    decoded by FRAGMENT_WORD_PTX with the scales FRAGMENT_SCALES_PTX makes of its rows' scale bytes (uint8
+    [E, O, C/16]), and its 8 weights put at the rows and columns the wgmma operand layout gives thread (w, rl, q),
+    slice s and element j = p + 2 e + 4 h -> float64 [E, O, C] (each weight times 2**-8)."""
+    num_experts, slabs, steps, _ = words.shape
+    weights = torch.zeros(num_experts, 64 * slabs, 64 * steps, dtype=torch.float64)
+    for expert, slab, step, w, rl, q, s in itertools.product(range(num_experts), range(slabs), range(steps), range(4),
+                                                              range(8), range(4), range(4)):
+        rows = (64 * slab + 16 * w + rl, 64 * slab + 16 * w + rl + 8)  # e = 0, 1
+        scales = [run_fragment_scales_ptx(int.from_bytes(bytes(scale_bytes[expert, row, 4 * step:4 * step + 4]
+                                                                .tolist()), "little"))[s] for row in rows]
+        registers = {"$4": int(words[expert, slab, step, ((w * 8 + rl) * 4 + q) * 4 + s]) & 0xFFFFFFFF}
         registers.update({f"${5 + k}": 0 for k in range(7)})  # the word's other copies, unused
-        registers.update({f"${12 + k}": bf16_pair_register(scales[k] * 2.0**118, scales[k] * 2.0**118)
-                          for k in range(4)})
+        # pair k = e + 2 h: both its weights lie in row e
+        registers.update({f"${12 + k}": bf16_pair_register(scales[k & 1], scales[k & 1]) for k in range(4)})
         out = run_ptx(serve_clef.FRAGMENT_WORD_PTX.value, registers)
-        weights = [value for k in range(4) for value in bf16_pair(out[f"${k}"])]
-        for j, (byte, shift) in enumerate(FRAGMENT_NIBBLES):
-            code = (word_bytes[byte] >> shift) & 0xF
-            assert weights[j] == E2M1_VALUES[code] * scales[j // 2] * 2.0**-8, (j, word_bytes, scales)
-
-
-def test_fragment_order_puts_each_weight_where_the_operand_layout_reads_it():
-    """fragment_words against the layout of Hopper's BF16 tensor-core operand, element by element: word
-    (slab, step, w, rl, q, s) of each projection carries, as weight j = p + 2e + 4h, the code of row
-    64 slab + 16 w + 8 e + rl and column 64 step + 16 s + 8 h + 2 q + p."""
-    generator = torch.Generator().manual_seed(5)
-    packed_codes = torch.randint(0, 256, (2, 128, 64), generator=generator, dtype=torch.int16).to(torch.uint8)
-    codes = torch.stack((packed_codes & 0xF, packed_codes >> 4), dim=-1).flatten(-2)  # [E, O, C]: column order
-    words = serve_clef.fragment_words(packed_codes)
-    assert words.dtype == torch.int32 and tuple(words.shape) == (2, 2, 2, 512)
-    word_bytes = words.contiguous().view(torch.uint8).view(2, 2, 2, 4, 8, 4, 4, 4)  # E slab step w rl q s byte
-    for expert, slab, step, w, rl, q, s in itertools.product(range(2), range(2), range(2), range(4), range(8),
-                                                              range(4), range(4)):
-        for j, (byte, shift) in enumerate(FRAGMENT_NIBBLES):
+        for j, value in enumerate(value for k in range(4) for value in bf16_pair(out[f"${k}"])):
             p, e, h = j & 1, (j >> 1) & 1, j >> 2
-            row, column = 64 * slab + 16 * w + 8 * e + rl, 64 * step + 16 * s + 8 * h + 2 * q + p
-            stored = (int(word_bytes[expert, slab, step, w, rl, q, s, byte]) >> shift) & 0xF
-            assert stored == int(codes[expert, row, column])
+            weights[expert, rows[e], 64 * step + 16 * s + 8 * h + 2 * q + p] = value
+    return weights
+
+
+def test_fragment_words_decode_to_the_weights_where_the_operand_layout_reads_them():
+    """fragment_words, fragment_scales and the two decode PTX together, against the layout of Hopper's BF16
+    tensor-core operand and E2M1's table: every weight of random codes and scales (subnormal to 448) comes out, at its
+    row and column, as e2m1(code) * block_scale * 2**-8; packed_codes_from_fragment_words undoes fragment_words."""
+    generator = torch.Generator().manual_seed(5)
+    packed_codes = torch.randint(0, 256, (2, 64, 64), generator=generator, dtype=torch.int16).to(torch.uint8)
+    block_scales = E4M3_POSITIVE[torch.randint(0, len(E4M3_POSITIVE), (2, 64, 8), generator=generator)]
+    words = serve_clef.fragment_words(packed_codes)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (2, 1, 2, 512)
+    weights = fragment_operand_weights(words, serve_clef.fragment_scales(block_scales))
+    expected = reference_dequantize(packed_codes, block_scales, torch.ones(2)).double()  # e2m1 * scale, exact in BF16
+    assert torch.equal(weights, expected * 2.0**-8)
+    assert torch.equal(serve_clef.packed_codes_from_fragment_words(words), packed_codes)
 
 
 class RecordedLaunches:
@@ -196,26 +237,26 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     assert down_constexprs["SLABS"] == (2 if hidden % 128 == 0 else 1)
 
 
-def test_fragment_order_replaces_the_codes_in_the_same_memory():
-    """to_fragment_order swaps each projection's checkpoint-order codes for their fragment-order words (the same bytes
-    reordered, no more memory) and leaves scales and global scales as they were."""
+def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
+    """to_fragment_order swaps each projection's codes and block scales for their fragment-order words and scale
+    bytes (no more memory), leaves the global and input scales as they were, and the layer's weights (unpacked(), what
+    the calibration checks read) stay the same, a zero and a negative block scale included."""
     config = tiny_text_config()
     config.hidden_size, config.moe_intermediate_size = 128, 64
-    experts = random_packed_experts(config, has_input_scales=False)
-    codes = {group: getattr(experts, f"{group}_packed_codes").clone() for group in ("gate_up", "down")}
-    others = {name: buffer.clone() for name, buffer in experts.named_buffers() if "packed_codes" not in name}
+    experts = random_packed_experts(config, has_input_scales=True)
+    experts.down_block_scales.view(torch.uint8)[3, 5, :2] = torch.tensor([0x00, 0xB8], dtype=torch.uint8)  # 0, -1
+    weights = experts.unpacked()
+    before = {name: buffer.clone() for name, buffer in experts.named_buffers()}
     experts.to_fragment_order()
-    names = {name for name, _ in experts.named_buffers()}
-    assert not any("packed_codes" in name for name in names)
-    for group, before in codes.items():
-        words = getattr(experts, f"{group}_fragment_words")
-        assert words.nbytes == before.nbytes
-        assert torch.equal(words, serve_clef.fragment_words(before))
-    for name, before in others.items():
-        assert torch.equal(dict(experts.named_buffers())[name], before)
-    # the checkpoint's order back, for what reads the weights themselves (unpacked(): the calibration checks)
-    for group, before in codes.items():
-        assert torch.equal(experts.checkpoint_order_codes(group), before)
+    after = dict(experts.named_buffers())
+    for group in ("gate_up", "down"):
+        assert f"{group}_packed_codes" not in after and f"{group}_block_scales" not in after
+        assert after[f"{group}_fragment_words"].nbytes == before[f"{group}_packed_codes"].nbytes
+        assert after[f"{group}_fragment_scales"].nbytes == before[f"{group}_block_scales"].nbytes
+    for name in ("gate_up_global_scale", "down_global_scale", "gate_up_input_scale", "down_input_scale"):
+        assert torch.equal(after[name], before[name])
+    for unpacked, expected in zip(experts.unpacked(), weights):
+        assert torch.equal(unpacked.view(torch.int16), expected.view(torch.int16))
 
 
 def test_routing_pads_each_expert_to_whole_tiles():
