@@ -1,6 +1,7 @@
 """Compile serve_clef's Hopper (Gluon) expert kernels for sm_90a on any machine, GPU or not, and report what the
 assembler made of them: registers and spills per thread (which decide how many programs share an SM), shared
-memory, and optionally the SASS of one kernel, to read where ptxas put the waits (docs/expert-kernels.md, "Pipeline").
+memory, the instructions a warp issues per step of the main loop, and optionally the SASS of one kernel, to read where
+ptxas put the waits (docs/expert-kernels.md, "Pipeline").
 
 Needs the triton whose Gluon dialect serve_clef is written against (3.6, the GPU image's; on a CPU machine:
 `pip install --target DIR triton==3.6.0` and DIR first on PYTHONPATH). Uses the ptxas and nvdisasm that triton ships.
@@ -58,7 +59,25 @@ def assembler_report(compiled) -> dict:
     programs_per_sm = min(65536 // (-(-registers // 8) * 8 * threads), 228 * 1024 // (compiled.metadata.shared + 1024),
                           64 * 32 // threads)
     return {"registers": registers, "spill_stores_bytes": spilled, "shared_bytes": compiled.metadata.shared,
-            "programs_per_sm": programs_per_sm}
+            "programs_per_sm": programs_per_sm, "loop_instructions": loop_instructions(sass(compiled))}
+
+
+def sass(compiled) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+        cubin.write(compiled.asm["cubin"])
+    text = subprocess.run([TOOLS / "nvdisasm", "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(cubin.name)
+    return text
+
+
+def loop_instructions(sass_text: str) -> int:
+    """Instructions a warp issues per step of the kernel's loop over the reduced dimension: from the label its
+    conditional backward branch (the last one in the code) jumps to, through that branch."""
+    lines = sass_text.splitlines()
+    label = re.findall(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", sass_text)[-1]
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"{label}:")
+    end = next(i for i, line in enumerate(lines) if i > start and f"BRA `({label})" in line)
+    return sum(bool(re.search(r"/\*[0-9a-f]{4,}\*/", line)) for line in lines[start:end + 1])
 
 
 def main() -> int:
@@ -71,11 +90,7 @@ def main() -> int:
     if args.sass:
         stages = next(tiles.num_stages for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
         constexprs = {"BLOCK_R": args.rows, "STAGES": stages} | ({"SLABS": args.slabs} if args.sass == "down" else {})
-        compiled = compile_for_hopper(kernels[args.sass], constexprs)
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
-            cubin.write(compiled.asm["cubin"])
-        subprocess.run([TOOLS / "nvdisasm", "-c", cubin.name], check=True)
-        os.unlink(cubin.name)
+        print(sass(compile_for_hopper(kernels[args.sass], constexprs)))
         return 0
     print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
     for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
