@@ -701,8 +701,9 @@ class ExpertTiles:
     """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
     down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
-    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take down_columns only, one
-    slab (64) or two."""
+    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take down_columns and
+    down_num_warps only: each warp group (4 warps) multiplies the same activation rows by slabs of its own, gate_up's
+    one column slab of gate and up, down's one or two output slabs (down_columns / down_num_warps * 4 / 64)."""
 
     rows: int
     columns: int
@@ -711,6 +712,7 @@ class ExpertTiles:
     num_stages: int
     down_rows: int | None = None
     down_columns: int | None = None
+    down_num_warps: int | None = None
 
 
 # By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
@@ -759,9 +761,6 @@ def fitted_block(block: int, size: int) -> int:
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
 FRAGMENT_STEP = gl.constexpr(64)  # reduced columns per step: four k16 slices
 FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weights each
-# words [w, rl, q, s]: lanes (rl, q), warps w, a thread's four words of a step in its registers (one 16-byte load)
-FRAGMENT_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
-FRAGMENT_ROWS_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte copies of [R, 64]
 # The operand's register layout (Hopper's wgmma A fragment, BF16): thread (warp w, lane 4 rl + q) holds, of k16 slice
 # s, the weights at rows r = 16 w + rl + 8 e and reduced columns 16 s + 8 h + 2 q + p, for e, h, p in {0, 1}, in its
 # registers in the order j = p + 2 e + 4 h: BF16 pair k = e + 2 h holds weights 2k (low half) and 2k + 1 (high half).
@@ -808,17 +807,31 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
     "{\n.reg .b32 spread;\n" + "\n".join(
         f"prmt.b32 spread, $2, 0, {selector};\nmad.lo.u32 ${pair}, spread, 16, {FRAGMENT_SCALE_OFFSET:#x};"
         for pair, selector in enumerate(("0x4140", "0x4342"))) + "\n}")
-# Rows R per routed tile, pipeline stages and the down kernel's output columns (one slab of 64, or two) by mean pairs
-# per expert (T * K / E). On an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at
-# 64 tokens, 64 with one down slab at 512 and 1,024, and 128 with two down slabs from 3,072 tokens on (4,096: 1.154
-# against 1.261-1.363 ms for the other three); at 2,048 those two were within 1% (0.675 and 0.682 ms). Two down slabs
-# lose with few tokens per expert (fewer programs, two per SM at 188 registers against five). Where one row gives way
-# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# Rows R per routed tile, pipeline stages, and the down kernel's output columns and warps (a warp group of 4 warps
+# per one or two 64-column slabs, all multiplying the same activation rows), by mean pairs per expert (T * K / E). On
+# an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 with one down
+# slab at 512-2,048, and 128 from 3,072 tokens on, where two down slabs per warp group and two warp groups (256
+# output columns a program) beat one warp group of two slabs by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms),
+# and the rows of 64 by 10-20%. At 2,048 they were within 1-3%. Two slabs a warp group lose with few tokens per
+# expert (fewer programs, two per SM at 188 registers against four); more warp groups gained nothing there. Where one
+# row gives way to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
     (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
-    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=2 * FRAGMENT_ROWS.value)),
+    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=4 * FRAGMENT_ROWS.value,
+                       down_num_warps=8)),
 )
+
+
+def fragment_warp_groups(tiles: ExpertTiles, hidden: int, width: int) -> tuple[int, int, int]:
+    """How the gluon kernels share a tile row's work out, for this hidden size and expert width: gate_up's warp groups
+    (slab columns a program), down's output slabs a warp group and its warp groups (64 times their product: output
+    columns a program), each as many as the sizes divide into."""
+    slab = FRAGMENT_ROWS.value
+    gate_up_groups = fitted_block(tiles.num_warps // 4, width // slab)
+    down_columns = fitted_block(tiles.down_columns or tiles.columns, hidden)
+    down_groups = min((tiles.down_num_warps or tiles.num_warps) // 4, down_columns // slab)
+    return gate_up_groups, down_columns // (slab * down_groups), down_groups
 
 
 def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
@@ -901,10 +914,11 @@ def _fragment_scales(scale_words, slices):
 
 
 @gluon.jit
-def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.constexpr):
-    """One step of a slab: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the weights BF16
-    [64 rows, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register layout; asserted, so no
-    data moves between threads)."""
+def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.constexpr,
+                          WARP_GROUPS: gl.constexpr):
+    """One step of a slab per warp group: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the
+    weights BF16 [64 rows a warp group, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register
+    layout; asserted, so no data moves between threads)."""
     scales, scales_8 = _fragment_scales(scale_words, slices), _fragment_scales(scale_words_8, slices)
     scales = gl.join(gl.join(scales, scales), gl.join(scales_8, scales_8))  # [w, rl, q, s, h, e]
     scales = gl.join(scales, scales)  # [w, rl, q, s, h, e, p]
@@ -912,13 +926,28 @@ def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.c
     weights = gl.inline_asm_elementwise(FRAGMENT_WORD_PTX, "=r,=r,=r,=r" + ",r" * 12, [_repeat_eight(words), scales],
                                         dtype=gl.bfloat16, is_pure=False, pack=8)  # [w, rl, q, s, h, e, p]
     weights = gl.permute(weights, (0, 5, 1, 3, 4, 2, 6))  # [w, e, rl, s, h, q, p]: row, then column order
-    return gl.convert_layout(gl.reshape(weights, [FRAGMENT_ROWS, FRAGMENT_STEP]), DOT_A, assert_trivial=True)
+    weights = gl.reshape(weights, [FRAGMENT_ROWS * WARP_GROUPS, FRAGMENT_STEP])
+    return gl.convert_layout(weights, DOT_A, assert_trivial=True)
 
 
 @gluon.constexpr_function
-def fragment_accumulator_layout(rows):
-    """The products' accumulator [64 slab rows, `rows` routed rows]: one warp group, Hopper's wgmma."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
+def fragment_accumulator_layout(rows, warp_groups):
+    """The products' accumulator [64 rows of each of `warp_groups` slabs, `rows` routed rows]: Hopper's wgmma, warp
+    group g multiplying slab g's rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * warp_groups, 1], instr_shape=[16, rows, 16])
+
+
+@gluon.constexpr_function
+def fragment_words_layout(warp_groups):
+    """words [w, rl, q, s]: lanes (rl, q), warps w (warp group w // 4), a thread's four words of a step in its
+    registers (one 16-byte load)."""
+    return gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4 * warp_groups, 1, 1, 1], [3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def fragment_rows_copy_layout(warp_groups):
+    """16-byte copies of a tile's activation rows [R, 64], every warp taking part."""
+    return gl.BlockedLayout([1, 8], [4, 8], [4 * warp_groups, 1], [1, 0])
 
 
 @gluon.jit
@@ -929,20 +958,24 @@ def _allocate_fragment_ring(BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced):
-    """Pointers to step 0 of a slab: its words [w, rl, q, s] and row r's scale word [w, rl, q] (row r + 8's lie
-    8 * reduced / 64 further), and the slices [1, 1, 1, s] that give a step's scales their layout."""
-    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
-    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, FRAGMENT_WORDS))))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, FRAGMENT_WORDS))))
-    s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, FRAGMENT_WORDS))))
+def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced,
+                            WARP_GROUPS: gl.constexpr):
+    """Pointers to step 0 of slabs slab, slab + 1, ... (one a warp group): their words [w, rl, q, s] and row r's scale
+    word [w, rl, q] (row r + 8's lie 8 * reduced / 64 further), and the slices [1, 1, 1, s] that give a step's scales
+    their layout."""
+    WORDS: gl.constexpr = fragment_words_layout(WARP_GROUPS)
+    w = gl.arange(0, 4 * WARP_GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
+    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WORDS))))
+    s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))
     w = gl.expand_dims(gl.expand_dims(gl.expand_dims(w, 1), 2), 3)
     rl = gl.expand_dims(gl.expand_dims(gl.expand_dims(rl, 0), 2), 3)
     q = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 1), 3)
     s = gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 0), 1), 2)
     first_word = slab.to(gl.int64) * num_steps * FRAGMENT_STEP_WORDS
-    words_ptr = fragment_words_ptr + first_word + ((w * 8 + rl) * 4 + q) * 4 + s  # [w, rl, q, s]
-    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r of the slab
+    words_ptr = (fragment_words_ptr + first_word + (w // 4) * num_steps * FRAGMENT_STEP_WORDS
+                 + (((w % 4) * 8 + rl) * 4 + q) * 4 + s)  # [w, rl, q, s]
+    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r counted from the first slab's first
     scales_ptr = block_scales_ptr + (slab.to(gl.int64) * FRAGMENT_ROWS + rows) * (reduced // 64)
     return words_ptr, scales_ptr, s
 
@@ -957,30 +990,31 @@ def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
 @gluon.jit
 def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices, rows_ptr,
                        rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                       TWO_SLABS: gl.constexpr):
+                       TWO_SLABS: gl.constexpr, WARP_GROUPS: gl.constexpr):
     """One slab's, or two slabs', weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of
     activations (rows_ptr [R, 64] at step 0, read `rows_mask`, or whole when None) over `num_steps` steps -> the
-    fp32 products [64 slab rows, R], the second zeros for one slab.
+    fp32 products [64 slab rows, R], the second zeros for one slab; with several warp groups, each multiplies the
+    slab after the previous one's by the same activations ([64 * WARP_GROUPS, R]).
 
     The activations go through a ring of cp.async copies in shared memory. Step 0 is decoded and step 1's codes are
     in registers before the loop; each step loads step + 2's codes, issues its products, decodes step + 1's codes and
     then waits for the products, keeping their weights until then, since the tensor cores read them from registers.
     (ptxas moves that wait before the decode: docs/expert-kernels.md, "Pipeline".)"""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
     DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
     ring = _allocate_fragment_ring(BLOCK_R, STAGES)
     for first_step in gl.static_range(STAGES - 1):
         async_copy.async_copy_global_to_shared(ring.index(first_step), rows_ptr + first_step * FRAGMENT_STEP,
                                                mask=rows_mask)
         async_copy.commit_group()
-    first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
-    second = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)
+    first = gl.zeros([FRAGMENT_ROWS * WARP_GROUPS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 G slab rows, R slots]
+    second = gl.zeros([FRAGMENT_ROWS * WARP_GROUPS, BLOCK_R], gl.float32, ACCUMULATOR)
     first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
-                                          slices, DOT_A)
+                                          slices, DOT_A, WARP_GROUPS)
     first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     if TWO_SLABS:
         second_weights = _decode_fragment_step(*_load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0),
-                                               slices, DOT_A)
+                                               slices, DOT_A, WARP_GROUPS)
         second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     for step in range(num_steps):
         ahead = gl.minimum(step + 2, num_steps - 1)
@@ -994,9 +1028,9 @@ def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, seco
         first = warpgroup_mma(first_weights, rows, first, is_async=True)
         if TWO_SLABS:
             second = warpgroup_mma(second_weights, rows, second, is_async=True)
-        next_first_weights = _decode_fragment_step(*first_codes, slices, DOT_A)
+        next_first_weights = _decode_fragment_step(*first_codes, slices, DOT_A, WARP_GROUPS)
         if TWO_SLABS:
-            next_second_weights = _decode_fragment_step(*second_codes, slices, DOT_A)
+            next_second_weights = _decode_fragment_step(*second_codes, slices, DOT_A, WARP_GROUPS)
             first, second, first_weights, second_weights = warpgroup_mma_wait(
                 num_outstanding=0, deps=(first, second, first_weights, second_weights))
         else:
@@ -1022,45 +1056,48 @@ def nvfp4_gate_up_fragment_kernel(
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot
     num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+    WARP_GROUPS: gl.constexpr,  # slab columns per program, one a warp group (ExpertTiles.num_warps / 4)
 ):
-    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of both gate and up
+    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 WARP_GROUPS columns of gate and up
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
-        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
+        ROWS_COPY: gl.constexpr = fragment_rows_copy_layout(WARP_GROUPS)
         num_steps = hidden // FRAGMENT_STEP
-        gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
+        gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column * WARP_GROUPS
         gate_words_ptr, gate_scales_ptr, slices = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
+            fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden, WARP_GROUPS)
         up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
+            fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden, WARP_GROUPS)
         # the tile's token rows, gathered (padding slots read zeros)
-        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
-        pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R
-                        + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY)))
+        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
+        pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY)))
         tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
         rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
         rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
         gate, up = _fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices,
-                                      rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True)
-        # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
+                                      rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True,
+                                      WARP_GROUPS)
+        # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 G columns, R slots]
         gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
         up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
         gate, up = gate.to(gl.float32), up.to(gl.float32)
         activated = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
         intermediate = (activated * up).to(gl.bfloat16)
-        columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+        columns = (slab_column * FRAGMENT_ROWS * WARP_GROUPS
+                   + gl.arange(0, FRAGMENT_ROWS * WARP_GROUPS, layout=gl.SliceLayout(1, ACCUMULATOR)))
         slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
         gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
 
 
 @gluon.jit
 def _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
-                        BLOCK_R: gl.constexpr):
-    """The epilogue of nvfp4_down_kernel for one slab's products out [64 output columns, R slots]: global scale,
-    BF16, routing weight, BF16, stored in each pair's row."""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+                        BLOCK_R: gl.constexpr, WARP_GROUPS: gl.constexpr):
+    """The epilogue of nvfp4_down_kernel for the products out [64 output columns of each of WARP_GROUPS slabs from
+    `slab` on, R slots]: global scale, BF16, routing weight, BF16, stored in each pair's row."""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
     out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
-    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS * WARP_GROUPS, layout=gl.SliceLayout(1, ACCUMULATOR))
     pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
     out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
     mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
@@ -1078,32 +1115,35 @@ def nvfp4_down_fragment_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-    SLABS: gl.constexpr,  # output slabs (64 columns) per program, 1 or 2 (ExpertTiles.down_columns)
+    SLABS: gl.constexpr,  # output slabs (64 columns) per warp group, 1 or 2
+    WARP_GROUPS: gl.constexpr,  # (ExpertTiles.down_columns = 64 SLABS WARP_GROUPS, down_num_warps = 4 WARP_GROUPS)
 ):
-    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: SLABS * 64 output columns
+    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: SLABS * WARP_GROUPS * 64 output columns
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
-        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+        ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
+        ROWS_COPY: gl.constexpr = fragment_rows_copy_layout(WARP_GROUPS)
         num_steps = width // FRAGMENT_STEP
-        slab = SLABS * slab_group
+        slab = SLABS * WARP_GROUPS * slab_group  # the first warp group's first; its second lies WARP_GROUPS further
         first_words_ptr, first_scales_ptr, slices = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
+            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width,
+            WARP_GROUPS)
         second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + SLABS - 1, num_steps,
-            width)
+            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + (SLABS - 1) * WARP_GROUPS,
+            num_steps, width, WARP_GROUPS)
         # the tile's intermediate rows, whole (gate_up wrote zeros in its padding slots)
-        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, FRAGMENT_ROWS_COPY))
-        copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FRAGMENT_ROWS_COPY))
+        copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
+        copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY))
         rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
         out, second_out = _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
                                              slices, rows_ptr, None, num_steps, width, BLOCK_R, STAGES,
-                                             SLABS == 2)
+                                             SLABS == 2, WARP_GROUPS)
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
         _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
-                            BLOCK_R)
+                            BLOCK_R, WARP_GROUPS)
         if SLABS == 2:
-            _store_pair_outputs(second_out, slab + 1, pairs, expert, routing_weights_ptr, global_scale_ptr,
-                                pair_outputs_ptr, hidden, BLOCK_R)
+            _store_pair_outputs(second_out, slab + WARP_GROUPS, pairs, expert, routing_weights_ptr, global_scale_ptr,
+                                pair_outputs_ptr, hidden, BLOCK_R, WARP_GROUPS)
 
 
 E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
@@ -1344,23 +1384,25 @@ class PackedNVFP4Experts(torch.nn.Module):
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
-        common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+        common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages)
+        gate_up_groups, down_slabs, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
-        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
+        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // (FRAGMENT_ROWS.value * gate_up_groups))](
             gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
             self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
-            self.hidden, self.width, pairs_per_row, **common,
+            self.hidden, self.width, pairs_per_row, WARP_GROUPS=gate_up_groups, num_warps=4 * gate_up_groups,
+            **common,
         )
         if self.simulate_fp4_activations:
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        down_columns = fitted_block(tiles.down_columns or tiles.columns, self.hidden)  # two slabs where they fit
-        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // down_columns)](
+        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // (FRAGMENT_ROWS.value * down_slabs * down_groups))](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            self.num_experts, self.hidden, self.width, SLABS=down_columns // FRAGMENT_ROWS.value, **common,
+            self.num_experts, self.hidden, self.width, SLABS=down_slabs, WARP_GROUPS=down_groups,
+            num_warps=4 * down_groups, **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 

@@ -84,22 +84,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", choices=("gate_up", "down"), help="print this kernel's SASS instead")
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--slabs", type=int, default=1, help="the down kernel's output slabs per program")
+    parser.add_argument("--slabs", type=int, default=1, help="the down kernel's output slabs per warp group")
+    parser.add_argument("--warp-groups", type=int, default=1, help="warp groups (4 warps) per program")
     args = parser.parse_args()
     kernels = {"gate_up": serve_clef.nvfp4_gate_up_fragment_kernel, "down": serve_clef.nvfp4_down_fragment_kernel}
     if args.sass:
         stages = next(tiles.num_stages for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
-        constexprs = {"BLOCK_R": args.rows, "STAGES": stages} | ({"SLABS": args.slabs} if args.sass == "down" else {})
-        print(sass(compile_for_hopper(kernels[args.sass], constexprs)))
+        constexprs = ({"BLOCK_R": args.rows, "STAGES": stages, "WARP_GROUPS": args.warp_groups}
+                      | ({"SLABS": args.slabs} if args.sass == "down" else {}))
+        print(sass(compile_for_hopper(kernels[args.sass], constexprs, 4 * args.warp_groups)))
         return 0
     print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
     for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
-        slabs = (tiles.down_columns or tiles.columns) // serve_clef.FRAGMENT_ROWS.value
+        # as served for the real model's hidden size and expert width
+        gate_up_groups, slabs, down_groups = serve_clef.fragment_warp_groups(tiles, 2048, 768)
         common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages}
-        for name, constexprs in (("gate_up", common), ("down", common | {"SLABS": slabs})):
-            report = assembler_report(compile_for_hopper(kernels[name], constexprs, tiles.num_warps))
-            print(f"up to {most_pairs_per_expert or 'any number of'} pairs per expert, R = {tiles.rows}, {name}"
-                  f"{f', {slabs} output slab(s) a program' if name == 'down' else ''}: {report}")
+        for name, constexprs, groups in (("gate_up", common, gate_up_groups),
+                                         ("down", common | {"SLABS": slabs}, down_groups)):
+            compiled = compile_for_hopper(kernels[name], constexprs | {"WARP_GROUPS": groups}, 4 * groups)
+            report = assembler_report(compiled)
+            print(f"up to {most_pairs_per_expert or 'any number of'} pairs per expert, R = {tiles.rows}, {name}, "
+                  f"{groups} warp group(s){f', {slabs} output slab(s) each' if name == 'down' else ''}: {report}")
     return 0
 
 

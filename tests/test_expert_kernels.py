@@ -213,10 +213,10 @@ class RecordedLaunches:
         return lambda *args, **kwargs: self.launches.append((grid, kwargs))
 
 
-@pytest.mark.parametrize("hidden", [192, 256])
+@pytest.mark.parametrize("hidden", [192, 256, 320, 384])
 def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hidden):
-    """With many tokens per expert the down kernel takes two 64-column slabs a program; a hidden size that is a
-    multiple of 64 but not of 128 must still be covered, by one slab a program."""
+    """With many tokens per expert a down program takes two warp groups of two 64-column slabs each (256 columns); a
+    hidden size that is a multiple of 64 but not of 256 must still be covered, once, with fewer slabs or groups."""
     config = tiny_text_config()
     config.hidden_size, config.moe_intermediate_size = hidden, 64
     experts = random_packed_experts(config, has_input_scales=False)
@@ -225,16 +225,20 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     monkeypatch.setattr(serve_clef, "nvfp4_gate_up_fragment_kernel", gate_up)
     monkeypatch.setattr(serve_clef, "nvfp4_down_fragment_kernel", down)
     generator = torch.Generator().manual_seed(5)
-    num_tokens = 1200  # 300 pairs per expert: the table's last row, two down slabs where they fit
+    num_tokens = 1200  # 300 pairs per expert: the table's last row
     hidden_states = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16)
     top_k_weights, top_k_index = torch.randn(num_tokens, 8, generator=generator).softmax(-1).topk(2, dim=-1)
     experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
-    (gate_up_grid, _), = gate_up.launches
+    (gate_up_grid, gate_up_constexprs), = gate_up.launches
     (down_grid, down_constexprs), = down.launches
-    assert gate_up_grid[1] * 64 == config.moe_intermediate_size  # gate_up: a program per 64 columns of the width
+    # gate_up: a program per 64 columns of the width, one warp group
+    assert gate_up_grid[1] * 64 == config.moe_intermediate_size and gate_up_constexprs["WARP_GROUPS"] == 1
     assert down_grid[0] == gate_up_grid[0]  # the same routed tiles
-    assert down_grid[1] * down_constexprs["SLABS"] * 64 == hidden
-    assert down_constexprs["SLABS"] == (2 if hidden % 128 == 0 else 1)
+    slabs, groups = down_constexprs["SLABS"], down_constexprs["WARP_GROUPS"]
+    assert down_grid[1] * slabs * groups * 64 == hidden
+    assert down_constexprs["num_warps"] == 4 * groups
+    expected = {192: (1, 1), 256: (2, 2), 320: (1, 1), 384: (1, 2)}[hidden]  # (slabs, groups): the most that divide
+    assert (slabs, groups) == expected
 
 
 def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
