@@ -702,8 +702,8 @@ class ExpertTiles:
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
     down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
     routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take down_columns and
-    down_num_warps only: each warp group (4 warps) multiplies the same activation rows by slabs of its own, gate_up's
-    one column slab of gate and up, down's one or two output slabs (down_columns / down_num_warps * 4 / 64)."""
+    down_num_warps only, and their warps in warp groups of 4 that multiply the same activation rows by slabs of their
+    own: in gate_up one column slab of gate and up each, in down down_columns / 64 slabs shared among the groups."""
 
     rows: int
     columns: int
@@ -752,12 +752,13 @@ def fitted_block(block: int, size: int) -> int:
 # codes are rewritten once, at load, in fragment order: each 32-bit word holds the eight weights that one thread holds
 # in its operand registers for one k16 slice, so a thread reads its four words of a step in one 16-byte load and hands
 # each word whole to the decode PTX; the block scales stay in the checkpoint's order, four (a row's step) read as one
-# word, each byte rewritten so that two become BF16 in two instructions (fragment_scales). The activations (gate_up: gathered by token; down: the intermediate rows) go through a ring of cp.async
-# copies in shared memory, the tensor cores' right operand. The W4A4 replay rounds the gate_up input before the
-# gate_up kernel and the down input between the two, with the Triton kernels' rounding (round_activations_to_nvfp4).
-# Gluon has no interpreter, so these kernels run on the GPU only: bench/check_expert_kernels.py compares them there
-# with the unpack reference, and the tests check on CPU the fragment order and the decode PTX, instruction by
-# instruction.
+# word, each byte rewritten so that two become BF16 in two instructions (fragment_scales). The activations (gate_up:
+# gathered by token; down: the intermediate rows) go through a ring of cp.async copies in shared memory, the tensor
+# cores' right operand, which the program's warp groups share, each multiplying slabs of its own. The W4A4 replay
+# rounds the gate_up input before the gate_up kernel and the down input between the two, with the Triton kernels'
+# rounding (round_activations_to_nvfp4). Gluon has no interpreter, so these kernels run on the GPU only:
+# bench/check_expert_kernels.py compares them there with the unpack reference, and the tests check on CPU the fragment
+# order and the decode PTX, instruction by instruction, and the launches' grids.
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
 FRAGMENT_STEP = gl.constexpr(64)  # reduced columns per step: four k16 slices
 FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weights each
