@@ -811,16 +811,17 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
 # Rows R per routed tile, pipeline stages, and the down kernel's output columns and warps (a warp group of 4 warps
 # per one or two 64-column slabs, all multiplying the same activation rows), by mean pairs per expert (T * K / E). On
 # an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 with one down
-# slab at 512-2,048, and 128 from 3,072 tokens on, where two down slabs per warp group and two warp groups (256
-# output columns a program) beat one warp group of two slabs by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms),
-# and the rows of 64 by 10-20%. At 2,048 they were within 1-3%. Two slabs a warp group lose with few tokens per
-# expert (fewer programs, two per SM at 188 registers against four); more warp groups gained nothing there. Where one
-# row gives way to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# slab at 512-2,048, and 128 from 3,072 tokens on, where 256 output columns a down program beat one warp group of two
+# slabs: two warp groups of two slabs by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms), four of one slab by 3-4%
+# more (8,192 tokens: 1.821 against 1.881-1.904 ms); gate_up in two warp groups was 8-15% slower. The rows of 64 lose
+# there by 10-20%; at 2,048 tokens they were within 1-3%. Two slabs a warp group lose with few tokens per expert (fewer
+# programs, two per SM at 188 registers against four); more warp groups gained nothing there. Where one row gives way
+# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
     (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
     (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=4 * FRAGMENT_ROWS.value,
-                       down_num_warps=8)),
+                       down_num_warps=16)),
 )
 
 
