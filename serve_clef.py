@@ -22,8 +22,8 @@
 
 Sections, top to bottom, in the order data flows: the command line's flags (parsed before the heavy imports, so that
 --help answers at once), packed experts (the NVFP4 format, the activation replay, the Triton packed-expert kernels,
-their Gluon counterparts for Hopper GPUs, the experts module), checkpoint loading, the engine (the text decoder in
-CUDA graphs), decisions (requests), HTTP, running the command line.
+their Gluon counterparts for Hopper GPUs, FP4 tensor cores through torch's grouped matmul, the experts module),
+checkpoint loading, the engine (the text decoder in CUDA graphs), decisions (requests), HTTP, running the command line.
 Dimension letters in shape comments: T tokens, E experts, H hidden, I expert width, K experts per token (top-k),
 S (token, expert) pairs, P padded slots, R/N/C the rows, output columns and reduced columns of a kernel tile.
 """
@@ -125,11 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--expert-kernels",
         choices=EXPERT_KERNELS,
         default="auto",
-        help="How packed NVFP4 experts compute. gluon: Hopper kernels (compute capability 9.0) that read the packed "
-        "weights directly; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only "
-        "under TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM "
-        "(the reference); native: FP4 tensor cores (not built yet). Default auto: gluon on a Hopper GPU, triton on "
-        "other CUDA GPUs, unpack on CPU.",
+        help="How packed NVFP4 experts compute. native: FP4 tensor cores (compute capability 10.x), W4A4 with each "
+        "expert input quantized with its calibrated scale, through torch's grouped scaled matmul, checked against the "
+        "unpack path at load; gluon: Hopper kernels (compute capability 9.0) that read the packed weights directly; "
+        "triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only under TRITON_INTERPRET=1, "
+        "slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM (the reference). Default "
+        "auto: native on compute capability 10.x with a W4A4 export (triton where its check at load fails), gluon on "
+        "a Hopper GPU, triton on other CUDA GPUs, unpack on CPU.",
     )
     parser.add_argument(
         "--max-length",
@@ -258,23 +260,32 @@ unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=Fals
 
 # ==== activation replay (faithful W4A4) ===============================================================================
 
-def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """Round activations [..., K] to NVFP4 as ModelOpt's W4A4 fake-quant does (docs/nvfp4-format.md §2.3), in their own
-    dtype.
+def nvfp4_activation_blocks(activations: torch.Tensor, input_scale: torch.Tensor):
+    """Activations [..., K] quantized to NVFP4 as ModelOpt's W4A4 fake-quant does (docs/nvfp4-format.md §2.3):
+    signed E2M1 codes uint8 [..., K/16, 16] (bit 3 the sign), the e4m3 block scales [..., K/16, 1] and the fp32 scale
+    each block's codes are multiplied by [..., K/16, 1], which is e4m3 block scale * input_scale.
 
     Static per-tensor `input_scale` (the calibrated global scale: 0-d, or [..., 1, 1] for one per row of a [..., K]
     input), dynamic e4m3 scales per 16 values along K, E2M1 magnitudes rounded to nearest with ties to even.
-    Operation order follows ModelOpt's Triton kernel (fp4_fake_quant_block).
+    Operation order follows ModelOpt's Triton kernel (fp4_fake_quant_block), which multiplies a block by 1 where
+    e4m3 scale * input_scale is under 1e-5.
     """
     blocks = activations.float().unflatten(-1, (-1, 16))  # [..., K/16, 16]
     input_scale = torch.where(input_scale > 0, input_scale, 1e-12)
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
-    block_scales = (block_amax / (6.0 * input_scale)).clamp(max=448.0).to(torch.float8_e4m3fn).float() * input_scale
+    e4m3_scales = (block_amax / (6.0 * input_scale)).clamp(max=448.0).to(torch.float8_e4m3fn)
+    block_scales = e4m3_scales.float() * input_scale
     block_scales = torch.where(block_scales >= 1e-5, block_scales, 1.0)
+    codes = round_to_e2m1_codes(blocks.abs() / block_scales) | ((blocks < 0).to(torch.uint8) << 3)
+    return codes, e4m3_scales, block_scales
+
+
+def fake_quant_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """Activations [..., K] rounded to NVFP4 (nvfp4_activation_blocks) and back, in their own dtype."""
+    codes, _, block_scales = nvfp4_activation_blocks(activations, input_scale)
     e2m1_magnitudes = torch.tensor(E2M1_MAGNITUDES, device=activations.device)
-    rounded = e2m1_magnitudes[round_to_e2m1_codes(blocks.abs() / block_scales).long()]  # [..., K/16, 16]
-    quantized = rounded * block_scales
-    quantized = torch.where(blocks >= 0, quantized, -quantized)
+    quantized = e2m1_magnitudes[(codes & 0b111).long()] * block_scales  # [..., K/16, 16]
+    quantized = torch.where(codes < 8, quantized, -quantized)
     return quantized.flatten(-2).to(activations.dtype)
 
 
@@ -1148,6 +1159,103 @@ def nvfp4_down_fragment_kernel(
                                 pair_outputs_ptr, hidden, BLOCK_R, WARP_GROUPS)
 
 
+# ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
+# GPUs of compute capability 10.x multiply NVFP4 by NVFP4 in their tensor cores. torch's grouped scaled matmul
+# (torch.nn.functional.scaled_grouped_mm; in torch's CUDA wheels it runs FBGEMM's CUTLASS kernels) takes a layer's
+# experts as they sit in memory: the codes viewed as float4_e2m1fn_x2 (two codes a byte, element 2i in the low nibble,
+# as ModelOpt packs them), each expert's block scales in the tiled order the tensor cores read (blocked_scales, once at
+# load) and an fp32 scale per expert, which multiplies the product. The activations are quantized on the fly with the
+# calibrated input scales, to the very values the W4A4 replay rounds them to (nvfp4_activation_blocks): this path
+# computes the W4A4 model that was calibrated. The pairs are sorted by expert, unpadded; each expert's run of
+# activation block scales starts on a whole tile of 128 rows (grouped_activation_scales), where the matmul looks for
+# it. Nothing reads a GPU value on the host, so the layers go into CUDA graphs. torch runs these kernels on compute
+# capability 10.x only (B200, GB200, B300), not on 12.x. S pairs, C block-scale columns (K/16), E experts.
+
+SCALE_TILE_ROWS, SCALE_TILE_COLUMNS = 128, 4  # a tile of block scales: 512 bytes the tensor cores read together
+
+
+def blocked_scales(block_scales: torch.Tensor) -> torch.Tensor:
+    """Block scales float8_e4m3fn [..., R, C] in the tiled order FP4 tensor cores read them (torch's SWIZZLE_32_4_4)
+    -> [..., R' * C'], where R' and C' are R and C padded with zero bytes to whole tiles of 128 rows by 4 columns.
+
+    The tiles follow each other along a row of tiles, then row of tiles after row of tiles; in a tile's 512 bytes,
+    row r and column c of the tile sit at (r % 32) * 16 + (r // 32) * 4 + c.
+    """
+    *batch, rows, columns = block_scales.shape
+    padded = torch.nn.functional.pad(block_scales.view(torch.uint8),
+                                     (0, -columns % SCALE_TILE_COLUMNS, 0, -rows % SCALE_TILE_ROWS))  # [..., R', C']
+    tiles = padded.unflatten(-1, (-1, SCALE_TILE_COLUMNS)).unflatten(-3, (-1, 4, 32))  # [..., R'/128, 4, 32, C'/4, 4]
+    ordered = tiles.movedim(-2, -4).transpose(-3, -2)  # [..., R'/128, C'/4, 32, 4, 4]
+    return ordered.flatten(len(batch)).view(torch.float8_e4m3fn)
+
+
+def block_scales_from_blocked(blocked: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """blocked_scales undone: [..., R' * C'] -> float8_e4m3fn [..., R, C]."""
+    padded_rows, padded_columns = rows + -rows % SCALE_TILE_ROWS, columns + -columns % SCALE_TILE_COLUMNS
+    tiles = blocked.view(torch.uint8).unflatten(
+        -1, (padded_rows // SCALE_TILE_ROWS, padded_columns // SCALE_TILE_COLUMNS, 32, 4, SCALE_TILE_COLUMNS))
+    natural = tiles.transpose(-3, -2).movedim(-4, -2)  # [..., R'/128, 4, 32, C'/4, 4]
+    padded = natural.reshape(*blocked.shape[:-1], padded_rows, padded_columns)
+    return padded[..., :rows, :columns].contiguous().view(torch.float8_e4m3fn)
+
+
+def quantize_nvfp4_activations(activations: torch.Tensor, input_scale: torch.Tensor):
+    """Activations [..., K] as the tensor cores' NVFP4 operand: packed codes uint8 [..., K/2] (element 2i in the low
+    nibble) and e4m3 block scales [..., K/16], which decode (code * block scale * input_scale) to the W4A4 replay's
+    values (nvfp4_activation_blocks).
+
+    One exception, in blocks whose e4m3 scale underflows to 0: the replay multiplies such a block's codes by 1, the
+    tensor cores by 0, so their codes are set to 0. The two differ only if a value of the block exceeds 0.25, which
+    takes an input scale above 42 (a calibrated input amax above ~115,000).
+    """
+    codes, e4m3_scales, _ = nvfp4_activation_blocks(activations, input_scale)  # [..., K/16, 16], [..., K/16, 1]
+    codes = torch.where(e4m3_scales.float() > 0, codes, 0).flatten(-2)  # [..., K]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), e4m3_scales.squeeze(-1)
+
+
+# Eager, a dozen passes over every expert input; compiled, one kernel. Token counts vary per request.
+quantize_nvfp4_activations_compiled = torch.compile(quantize_nvfp4_activations, dynamic=True)
+
+
+def grouped_activation_scales(block_scales: torch.Tensor, pair_experts: torch.Tensor,
+                              group_ends: torch.Tensor) -> torch.Tensor:
+    """The activations' block scales [S, C], their rows sorted by expert (pair_experts [S]; expert e's rows end at
+    group_ends[e]), laid out for torch's grouped FP4 matmul: each expert's rows padded to whole tiles of 128 rows, then
+    in blocked_scales' order -> [S', C'], where S' depends on S and E only, so CUDA graphs can replay it."""
+    num_pairs, columns = block_scales.shape
+    group_sizes = torch.diff(group_ends, prepend=group_ends.new_zeros(1))  # [E]
+    padded_sizes = (group_sizes + SCALE_TILE_ROWS - 1) // SCALE_TILE_ROWS * SCALE_TILE_ROWS
+    padded_starts = padded_sizes.cumsum(0) - padded_sizes  # [E]
+    scale_rows = (padded_starts - group_ends + group_sizes)[pair_experts] + torch.arange(
+        num_pairs, device=pair_experts.device)  # [S]: the row's place in its expert's padded run
+    most_rows = num_pairs + (SCALE_TILE_ROWS - 1) * min(group_ends.numel(), num_pairs)
+    scale_bytes = block_scales.view(torch.uint8)
+    padded = scale_bytes.new_zeros(most_rows + -most_rows % SCALE_TILE_ROWS, columns)  # [S', C]
+    padded.index_copy_(0, scale_rows, scale_bytes)
+    blocked = blocked_scales(padded.view(torch.float8_e4m3fn))
+    return blocked.view(padded.shape[0], -1)  # [S', C'], two-dimensional as the matmul checks
+
+
+def nvfp4_grouped_mm(activation_codes: torch.Tensor, activation_scales: torch.Tensor, input_scale: torch.Tensor,
+                     weight_codes: torch.Tensor, weight_scales: torch.Tensor, global_scale: torch.Tensor,
+                     group_ends: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of the activations times its weights, transposed, on FP4 tensor cores -> BF16 [S, O].
+
+    activation_codes uint8 [S, K/2] sorted by expert, activation_scales from grouped_activation_scales, input_scale
+    fp32 [E]; weight_codes uint8 [E, O, K/2], weight_scales [E, O' * C'] (blocked_scales), global_scale fp32 [E];
+    group_ends int32 [E], where each expert's rows end.
+    """
+    functional = torch.nn.functional
+    recipe = [functional.ScalingType.BlockWise1x16, functional.ScalingType.TensorWise]
+    swizzle = [functional.SwizzleType.SWIZZLE_32_4_4, functional.SwizzleType.NO_SWIZZLE]
+    return functional.scaled_grouped_mm(
+        activation_codes.view(torch.float4_e2m1fn_x2), weight_codes.view(torch.float4_e2m1fn_x2).transpose(-2, -1),
+        scale_a=[activation_scales, input_scale], scale_recipe_a=recipe, swizzle_a=swizzle,
+        scale_b=[weight_scales, global_scale], scale_recipe_b=recipe, swizzle_b=swizzle,
+        offs=group_ends, output_dtype=torch.bfloat16,
+    )
+
+
 E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
 
 
@@ -1190,13 +1298,14 @@ def checked_nvfp4_tensor(
 
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory as on disk, in transformers' fused order (for the gluon
-    kernels the codes' bytes reordered, `to_fragment_order`).
+    kernels the codes' bytes reordered, `to_fragment_order`; for the native ones the block scales, `to_native_order`).
 
     Stands in for transformers' Qwen3OmniMoeThinkerTextExperts, with the same forward signature. `kernels` says how
     it computes: "triton", the packed-expert kernels above on the packed bytes; "gluon", the Hopper kernels on the
     codes rewritten in fragment order (`to_fragment_order`, which replaces each `*_packed_codes` by
-    `*_fragment_words`); "unpack", this layer unpacked to BF16 scratch tensors, transformers' grouped_mm experts
-    function on them, then freed (the reference).
+    `*_fragment_words`); "native", FP4 tensor cores through torch's grouped scaled matmul, W4A4 (`to_native_order`,
+    which replaces each `*_block_scales` by `*_blocked_scales`); "unpack", this layer unpacked to BF16 scratch tensors,
+    transformers' grouped_mm experts function on them, then freed (the reference).
     E experts, H hidden, I expert width, T tokens, K experts per token.
     """
 
@@ -1299,14 +1408,35 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.register_buffer(f"{group}_fragment_words", fragment_words(packed_codes))
             self.register_buffer(f"{group}_fragment_scales", fragment_scales(block_scales))
 
+    @torch.no_grad()
+    def to_native_order(self) -> None:
+        """For the native kernels: each projection's block scales in the tiled order the tensor cores read
+        (blocked_scales) in place of the checkpoint's (the same bytes at full size, where rows and columns fill whole
+        tiles). The tensor cores read scales unsigned, so a block with a zero or negative scale is first rewritten as
+        the same weights with a positive one (with_positive_block_scales). The gate_up product is scaled by each
+        expert's gate global scale; where up's differs (exports before ModelOpt 0.43), up's rows are rescaled after."""
+        for group in ("gate_up", "down"):
+            packed_codes, block_scales = with_positive_block_scales(getattr(self, f"{group}_packed_codes"),
+                                                                    getattr(self, f"{group}_block_scales"))
+            delattr(self, f"{group}_block_scales")
+            setattr(self, f"{group}_packed_codes", packed_codes)
+            self.register_buffer(f"{group}_blocked_scales", blocked_scales(block_scales))
+        gate_scale, up_scale = self.gate_up_global_scale.unbind(1)
+        self.register_buffer("up_over_gate_scale", None if torch.equal(gate_scale, up_scale) else up_scale / gate_scale)
+
     def checkpoint_layout(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A projection's packed codes uint8 [E, O, C/2] and block scales float8_e4m3fn [E, O, C/16] as checkpoints
-        lay them out, whichever way they are kept (after to_fragment_order, the same weights: a zero or negative
-        scale's block may come back rewritten)."""
+        lay them out, whichever way they are kept (after to_fragment_order or to_native_order, the same weights: a
+        zero or negative scale's block may come back rewritten)."""
         if hasattr(self, f"{group}_fragment_words"):
             return (packed_codes_from_fragment_words(getattr(self, f"{group}_fragment_words")),
                     block_scales_from_fragment_scales(getattr(self, f"{group}_fragment_scales")))
-        return getattr(self, f"{group}_packed_codes"), getattr(self, f"{group}_block_scales")
+        packed_codes = getattr(self, f"{group}_packed_codes")
+        if hasattr(self, f"{group}_blocked_scales"):
+            _, rows, half_columns = packed_codes.shape
+            return packed_codes, block_scales_from_blocked(getattr(self, f"{group}_blocked_scales"), rows,
+                                                           half_columns // 8)
+        return packed_codes, getattr(self, f"{group}_block_scales")
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's experts in BF16: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
@@ -1339,6 +1469,8 @@ class PackedNVFP4Experts(torch.nn.Module):
             return self.forward_fragments(hidden_states, top_k_index, top_k_weights)
         if self.kernels == "triton":
             return self.forward_packed(hidden_states, top_k_index, top_k_weights)
+        if self.kernels == "native":
+            return self.forward_native(hidden_states, top_k_index, top_k_weights)
         return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
 
     def kernels_gate_up_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
@@ -1406,6 +1538,37 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.num_experts, self.hidden, self.width, SLABS=down_slabs, WARP_GROUPS=down_groups,
             num_warps=4 * down_groups, **common,
         )
+        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
+
+    def forward_native(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """FP4 tensor cores, W4A4: the pairs sorted by expert, the gate_up input quantized with the calibrated input
+        scales, gate_up, SiLU * up, the down input quantized, down, the routing weight, the top-k sum."""
+        num_tokens, top_k = top_k_index.shape
+        pair_experts, pair_order = top_k_index.reshape(-1).sort(stable=True)  # [S], [S]: pairs by expert
+        group_ends = torch.searchsorted(pair_experts, torch.arange(self.num_experts, device=pair_experts.device),
+                                        right=True, out_int32=True)  # [E]
+        pair_tokens = pair_order // top_k  # [S]
+        quantize = quantize_nvfp4_activations_compiled if hidden_states.is_cuda else quantize_nvfp4_activations
+        if self.gate_up_input_scales_shared:  # each token quantized once, its codes gathered for each of its pairs
+            codes, scales = quantize(hidden_states, self.gate_up_input_scale[0])  # [T, H/2], [T, H/16]
+            codes, scales = codes[pair_tokens], scales[pair_tokens]  # [S, H/2], [S, H/16]
+        else:
+            codes, scales = quantize(hidden_states[pair_tokens], self.gate_up_input_scale[pair_experts][:, None, None])
+        gate_up = nvfp4_grouped_mm(codes, grouped_activation_scales(scales, pair_experts, group_ends),
+                                   self.gate_up_input_scale, self.gate_up_packed_codes, self.gate_up_blocked_scales,
+                                   self.gate_up_global_scale[:, 0], group_ends)  # [S, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.up_over_gate_scale is not None:
+            up = (up.float() * self.up_over_gate_scale[pair_experts][:, None]).to(up.dtype)
+        intermediate = self.act_fn(gate) * up  # [S, I]
+        down_input_scale = (self.down_input_scale[0] if self.down_input_scales_shared
+                            else self.down_input_scale[pair_experts][:, None, None])
+        codes, scales = quantize(intermediate, down_input_scale)  # [S, I/2], [S, I/16]
+        down = nvfp4_grouped_mm(codes, grouped_activation_scales(scales, pair_experts, group_ends),
+                                self.down_input_scale, self.down_packed_codes, self.down_blocked_scales,
+                                self.down_global_scale, group_ends)  # [S, H]
+        weighted = down * top_k_weights.reshape(-1)[pair_order, None].to(down.dtype)
+        pair_outputs = torch.empty_like(weighted).index_copy_(0, pair_order, weighted)  # [S, H] in (token, k) order
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 
     @torch.no_grad()
@@ -1540,7 +1703,7 @@ class LoadedClef:
     processor: Any
     schema: types.ModuleType  # the joint_schema_model module in use
     kind: CheckpointFormat
-    expert_kernels: str  # "gluon", "triton" or "unpack" for packed experts, "bf16" for stock BF16 experts
+    expert_kernels: str  # "native", "gluon", "triton" or "unpack" for packed experts, "bf16" for stock BF16 experts
     model_id: str  # what --model said
     checkpoint_dir: Path
     load_s: float
@@ -1716,18 +1879,35 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                           f"serves {SERVED_FORMATS}")
 
 
-def resolve_expert_kernels(choice: str, device: torch.device,
-                           text_config: transformers.PretrainedConfig | None = None) -> str:
-    """What --expert-kernels means on `device`: "gluon", "triton" or "unpack" (see PackedNVFP4Experts). The gluon
-    kernels need a Hopper GPU and experts whose hidden size and width are multiples of 64 (text_config; None: not
-    known yet, taken as fitting)."""
-    if choice == "native":
-        raise CheckpointError(
-            "--expert-kernels native (FP4 tensor cores, compute capability 10.x/12.x) is not built yet: serve_clef has "
-            "had no Blackwell GPU to test it on; use --expert-kernels triton, which runs on any CUDA GPU"
-        )
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+def resolve_expert_kernels(choice: str, device: torch.device, text_config: transformers.PretrainedConfig | None = None,
+                           experts_w4a4: bool = True) -> str:
+    """What --expert-kernels means on `device`: "native", "gluon", "triton" or "unpack" (see PackedNVFP4Experts). The
+    native kernels need a GPU of compute capability 10.x, torch's grouped scaled matmul, an export with calibrated
+    input scales (experts_w4a4) and hidden size and width in multiples of 32; the gluon kernels a Hopper GPU and
+    multiples of 64 (text_config; None: not known yet, taken as fitting). load_clef then checks the native kernels on
+    the GPU (check_native_fp4), and where they fail there `auto` takes the triton kernels."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    hopper = capability == (9, 0)
     fits = text_config is None or (text_config.hidden_size % 64 == 0 and text_config.moe_intermediate_size % 64 == 0)
+    native_refusal = None  # why the native kernels cannot run here
+    if capability is None or capability[0] != 10:
+        where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        native_refusal = ("needs a GPU of compute capability 10.x (B200, GB200, B300), the only one torch runs its "
+                          f"grouped FP4 matmul on; {device} is {where}")
+    elif not hasattr(torch.nn.functional, "scaled_grouped_mm"):
+        native_refusal = ("needs torch's grouped scaled matmul (torch.nn.functional.scaled_grouped_mm), which torch "
+                          f"{torch.__version__} lacks")
+    elif not experts_w4a4:
+        native_refusal = ("computes W4A4 and needs an NVFP4 (W4A4) export whose experts carry calibrated input "
+                          "scales; this one is W4A16")
+    elif text_config is not None and (text_config.hidden_size % 32 or text_config.moe_intermediate_size % 32):
+        native_refusal = (f"needs hidden size and expert width in multiples of 32, this model has "
+                          f"{text_config.hidden_size} and {text_config.moe_intermediate_size}")
+    if choice == "native" and native_refusal:
+        raise CheckpointError(f"--expert-kernels native {native_refusal}: use --expert-kernels triton, which runs on "
+                              "any CUDA GPU")
+    if choice == "native" or (choice == "auto" and native_refusal is None):
+        return "native"
     if choice == "auto" and device.type == "cuda":
         return "gluon" if hopper and fits else "triton"
     if choice == "auto":
@@ -1745,6 +1925,58 @@ def resolve_expert_kernels(choice: str, device: torch.device,
             "TRITON_INTERPRET=1, or use --expert-kernels unpack"
         )
     return choice
+
+
+NATIVE_CHECK_MEAN_ERROR = 0.05  # of the mean |output|: a misread layout gives ~1, FP4 rounding flips about 0.01
+
+
+@torch.no_grad()
+def check_native_fp4(expert_stores: dict[str, PackedNVFP4Experts], text_config: transformers.PretrainedConfig,
+                     device: torch.device) -> float:
+    """Whether the native kernels can serve these experts on `device`: the mean error, relative to the mean output,
+    of a random layer of the model's sizes (8 experts, 2 a token, gate and up with different global scales) through
+    them against the unpack path's W4A4 replay. Raises CheckpointError where they cannot: an expert whose gate and up
+    input scales differ (the fused gate_up input is quantized with one), torch's matmul failing on this GPU, or an
+    error beyond NATIVE_CHECK_MEAN_ERROR. No Blackwell GPU has run this check for serve_clef's developers."""
+    for store in expert_stores.values():
+        if store.unequal_gate_up_input_scale is not None:
+            raise CheckpointError(f"--expert-kernels native quantizes each expert's gate_up input with one scale, and "
+                                  f"checkpoint tensor {store.unequal_gate_up_input_scale} differs from its expert's "
+                                  "other gate/up input scale")
+    sizes = types.SimpleNamespace(num_experts=8, num_experts_per_tok=2, hidden_size=text_config.hidden_size,
+                                  moe_intermediate_size=text_config.moe_intermediate_size)
+    generator = torch.Generator(device).manual_seed(0)
+
+    def uniform(shape: torch.Size, low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=generator, device=device) * (high - low) + low
+
+    with torch.device(device):
+        layer = PackedNVFP4Experts(sizes, torch.nn.functional.silu, has_input_scales=True)
+    for group in ("gate_up", "down"):
+        codes, block_scales = getattr(layer, f"{group}_packed_codes"), getattr(layer, f"{group}_block_scales")
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16))
+        block_scales.copy_(uniform(block_scales.shape, 20, 120))  # with the global scales, weights of std ~0.02
+        global_scale = getattr(layer, f"{group}_global_scale")
+        global_scale.copy_(uniform(global_scale.shape, 5e-5, 1.5e-4))
+    layer.gate_up_input_scale.fill_(3.0 / (6 * 448))
+    layer.down_input_scale.fill_(0.05 / (6 * 448))
+    layer.simulate_fp4_activations = True
+    hidden_states = torch.randn(61, sizes.hidden_size, generator=generator, device=device).to(torch.bfloat16)  # [T, H]
+    top_k_weights, top_k_index = torch.randn(61, 8, generator=generator, device=device).softmax(-1).topk(2, dim=-1)
+    inputs = (hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))  # [T, H], [T, 2], [T, 2]
+    reference = layer.forward_unpacked(*inputs).float()
+    layer.to_native_order()
+    try:
+        output = layer.forward_native(*inputs).float()
+    except (RuntimeError, ValueError) as error:  # torch's checks raise both
+        raise CheckpointError(f"--expert-kernels native: torch {torch.__version__}'s grouped FP4 matmul failed on "
+                              f"{device}: {' '.join(str(error).split())[:300]}") from error
+    mean_error = ((output - reference).abs().mean() / reference.abs().mean()).item()
+    if not mean_error <= NATIVE_CHECK_MEAN_ERROR:
+        raise CheckpointError(f"--expert-kernels native: on a random layer torch's grouped FP4 matmul differs from the "
+                              f"unpack path's W4A4 replay by {mean_error:.3f} of the mean output on {device} (expected "
+                              f"under {NATIVE_CHECK_MEAN_ERROR})")
+    return mean_error
 
 
 def import_sibling(name: str, needed_for: str) -> types.ModuleType:
@@ -2199,16 +2431,16 @@ def load_clef(
 
     config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     text_config = config.thinker_config.text_config
-    expert_kernels = resolve_expert_kernels(expert_kernels, device, text_config) if packed else "bf16"
+    asked_kernels = expert_kernels
+    expert_kernels = (resolve_expert_kernels(asked_kernels, device, text_config, quantization.experts_w4a4) if packed
+                      else "bf16")
     experts_form = f"packed NVFP4 experts, {expert_kernels} kernels" if packed else "BF16 experts"
     written_by = f", written by {quantization.producer}" if quantization.producer else ""
     progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form}{written_by})")
     if expert_kernels == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
-        progress("this GPU has FP4 tensor cores, but serve_clef's native FP4 path is not built yet: the experts run "
-                 "W4A16 (or the W4A4 replay) through the Triton kernels")
-    if expert_kernels in ("gluon", "triton") and text_config.hidden_act != "silu":
-        raise CheckpointError(f"--expert-kernels {expert_kernels} fuses SiLU; this model's experts use "
-                              f"{text_config.hidden_act}: use --expert-kernels unpack")
+        progress("this GPU has FP4 tensor cores, which serve_clef's native kernels use on compute capability 10.x "
+                 "with a W4A4 export (--expert-kernels native says why not here): the experts run W4A16 (or the W4A4 "
+                 "replay) through the Triton kernels")
     thinker = build_backbone(config, device, zero_width_experts=packed).thinker
     expert_stores = {}
     if kind.quantized:
@@ -2227,6 +2459,21 @@ def load_clef(
         tensors = checkpoint_tensors(checkpoint_dir)
     linear_input_scales = load_thinker_weights(thinker, tensors, quantization, expert_stores, repair_nan_scales,
                                                progress)
+    if expert_kernels == "native":
+        try:
+            mean_error = check_native_fp4(expert_stores, text_config, device)
+        except CheckpointError as refusal:
+            if asked_kernels == "native":
+                raise
+            progress(f"{refusal}; the experts run the triton kernels instead")
+            expert_kernels = "triton"
+        else:
+            progress(f"native FP4 kernels (W4A4: each expert input quantized to NVFP4 with its calibrated scale) agree "
+                     f"with the unpack path on this GPU: mean error {mean_error:.4f} of the mean output on a random "
+                     "layer")
+    if expert_kernels in ("gluon", "triton") and text_config.hidden_act != "silu":
+        raise CheckpointError(f"--expert-kernels {expert_kernels} fuses SiLU; this model's experts use "
+                              f"{text_config.hidden_act}: use --expert-kernels unpack")
     if simulate_fp4_activations:
         for experts_name, store in expert_stores.items():
             if store.unequal_gate_up_input_scale is not None:
@@ -2247,6 +2494,8 @@ def load_clef(
             experts.kernels = expert_kernels
             if expert_kernels == "gluon":
                 experts.to_fragment_order()
+            if expert_kernels == "native":
+                experts.to_native_order()
 
     head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
     if head_config["hidden_size"] != text_config.hidden_size:
