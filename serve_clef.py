@@ -125,13 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--expert-kernels",
         choices=EXPERT_KERNELS,
         default="auto",
-        help="How packed NVFP4 experts compute. native: FP4 tensor cores (compute capability 10.x), W4A4 with each "
-        "expert input quantized with its calibrated scale, through torch's grouped scaled matmul, checked against the "
-        "unpack path at load; gluon: Hopper kernels (compute capability 9.0) that read the packed weights directly; "
-        "triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only under TRITON_INTERPRET=1, "
-        "slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM (the reference). Default "
-        "auto: native on compute capability 10.x with a W4A4 export (triton where its check at load fails), gluon on "
-        "a Hopper GPU, triton on other CUDA GPUs, unpack on CPU.",
+        help="How packed NVFP4 experts compute. native: FP4 tensor cores (compute capability 10.x and later), W4A4 "
+        "with each expert input quantized with its calibrated scale, through torch's grouped scaled matmul, checked "
+        "against the unpack path at load; gluon: Hopper kernels (compute capability 9.0) that read the packed weights "
+        "directly; triton: kernels that read the packed weights directly on any CUDA GPU (on CPU only under "
+        "TRITON_INTERPRET=1, slowly, for tests); unpack: each layer unpacked to BF16 just before a grouped GEMM (the "
+        "reference). Default auto: native on FP4 tensor cores with a W4A4 export (triton where its check at load "
+        "fails), gluon on a Hopper GPU, triton on other CUDA GPUs, unpack on CPU.",
     )
     parser.add_argument(
         "--max-length",
@@ -1160,7 +1160,7 @@ def nvfp4_down_fragment_kernel(
 
 
 # ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
-# GPUs of compute capability 10.x multiply NVFP4 by NVFP4 in their tensor cores. torch's grouped scaled matmul
+# GPUs of compute capability 10.x and later multiply NVFP4 by NVFP4 in their tensor cores. torch's grouped scaled matmul
 # (torch.nn.functional.scaled_grouped_mm; in torch's CUDA wheels it runs FBGEMM's CUTLASS kernels) takes a layer's
 # experts as they sit in memory: the codes viewed as float4_e2m1fn_x2 (two codes a byte, element 2i in the low nibble,
 # as ModelOpt packs them), each expert's block scales in the tiled order the tensor cores read (blocked_scales, once at
@@ -1168,8 +1168,9 @@ def nvfp4_down_fragment_kernel(
 # calibrated input scales, to the very values the W4A4 replay rounds them to (nvfp4_activation_blocks): this path
 # computes the W4A4 model that was calibrated. The pairs are sorted by expert, unpadded; each expert's run of
 # activation block scales starts on a whole tile of 128 rows (grouped_activation_scales), where the matmul looks for
-# it. Nothing reads a GPU value on the host, so the layers go into CUDA graphs. torch runs these kernels on compute
-# capability 10.x only (B200, GB200, B300), not on 12.x. S pairs, C block-scale columns (K/16), E experts.
+# it. Nothing reads a GPU value on the host, so the layers go into CUDA graphs. torch 2.11 runs this matmul on compute
+# capability 10.x only (B200, GB200, B300) and refuses 12.x, which the check at load then reports (check_native_fp4).
+# S pairs, C block-scale columns (K/16), E experts.
 
 SCALE_TILE_ROWS, SCALE_TILE_COLUMNS = 128, 4  # a tile of block scales: 512 bytes the tensor cores read together
 
@@ -1882,18 +1883,17 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
 def resolve_expert_kernels(choice: str, device: torch.device, text_config: transformers.PretrainedConfig | None = None,
                            experts_w4a4: bool = True) -> str:
     """What --expert-kernels means on `device`: "native", "gluon", "triton" or "unpack" (see PackedNVFP4Experts). The
-    native kernels need a GPU of compute capability 10.x, torch's grouped scaled matmul, an export with calibrated
-    input scales (experts_w4a4) and hidden size and width in multiples of 32; the gluon kernels a Hopper GPU and
-    multiples of 64 (text_config; None: not known yet, taken as fitting). load_clef then checks the native kernels on
-    the GPU (check_native_fp4), and where they fail there `auto` takes the triton kernels."""
+    native kernels need FP4 tensor cores (compute capability 10.x and later), torch's grouped scaled matmul, an export
+    with calibrated input scales (experts_w4a4) and hidden size and width in multiples of 32; the gluon kernels a
+    Hopper GPU and multiples of 64 (text_config; None: not known yet, taken as fitting). load_clef then checks the
+    native kernels on the GPU (check_native_fp4), and where they fail there `auto` takes the triton kernels."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     hopper = capability == (9, 0)
     fits = text_config is None or (text_config.hidden_size % 64 == 0 and text_config.moe_intermediate_size % 64 == 0)
     native_refusal = None  # why the native kernels cannot run here
-    if capability is None or capability[0] != 10:
+    if capability is None or capability[0] < 10:
         where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        native_refusal = ("needs a GPU of compute capability 10.x (B200, GB200, B300), the only one torch runs its "
-                          f"grouped FP4 matmul on; {device} is {where}")
+        native_refusal = f"needs FP4 tensor cores (a GPU of compute capability 10.x or later); {device} is {where}"
     elif not hasattr(torch.nn.functional, "scaled_grouped_mm"):
         native_refusal = ("needs torch's grouped scaled matmul (torch.nn.functional.scaled_grouped_mm), which torch "
                           f"{torch.__version__} lacks")
@@ -2438,9 +2438,9 @@ def load_clef(
     written_by = f", written by {quantization.producer}" if quantization.producer else ""
     progress(f"loading {kind} checkpoint {checkpoint_dir} onto {device} ({experts_form}{written_by})")
     if expert_kernels == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
-        progress("this GPU has FP4 tensor cores, which serve_clef's native kernels use on compute capability 10.x "
-                 "with a W4A4 export (--expert-kernels native says why not here): the experts run W4A16 (or the W4A4 "
-                 "replay) through the Triton kernels")
+        progress("this GPU has FP4 tensor cores, which serve_clef's native kernels use with W4A4 exports only "
+                 "(--expert-kernels native says why not here): the experts run W4A16 (or the W4A4 replay) through the "
+                 "Triton kernels")
     thinker = build_backbone(config, device, zero_width_experts=packed).thinker
     expert_stores = {}
     if kind.quantized:

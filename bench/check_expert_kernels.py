@@ -10,14 +10,14 @@ Checks (each counts toward the exit status; nothing is printed as OK that was no
 3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
    order: that gate is tighter.
 2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels, W4A16 and W4A4 alike; so does the check of
-input scales per expert (older exports, which round the gate_up input once per pair). On a GPU of compute capability
-10.x they also run the native FP4 kernels, W4A4 only, with the W4A4 gates (their inputs are quantized with scales
-that are not powers of two, so they never match the replay to the bit); elsewhere the script says they were not
-checked.
+input scales per expert (older exports, which round the gate_up input once per pair). On a GPU with FP4 tensor cores
+(compute capability 10.x and later) whose torch runs the grouped FP4 matmul (serve_clef's own check at load passes),
+they also run the native kernels, W4A4 only, with the W4A4 gates (their inputs are quantized with scales that are not
+powers of two, so they never match the replay to the bit); elsewhere the script says why they were not checked.
 
 Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
 serving engine runs it: the Triton kernels' tiles as served (also without a graph: eager launches), the gluon
-kernels (Hopper), the native kernels (compute capability 10.x), the unpack path, the W4A4 replay, and with --sweep
+kernels (Hopper), the native kernels (FP4 tensor cores), the unpack path, the W4A4 replay, and with --sweep
 every candidate tile configuration (how EXPERT_TILES was chosen; minutes of compiling); the bf16 matmul rate and copy bandwidth of this GPU in the same run, for the ceilings.
 
 Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_kernels.json when OUT is set)
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import serve_clef  # noqa: E402
 
 TOKEN_COUNTS = (1, 64, 256, 512, 1024, 2048, 4096, 8192)
+CONFIG = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 CANDIDATE_TILES = [
     serve_clef.ExpertTiles(rows, columns, reduced, warps, stages)
     for rows in (16, 32, 64, 128)
@@ -65,9 +66,8 @@ def random_layer(power_of_two_global_scales: bool, seed: int, version=serve_clef
     the same seed)."""
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(seed)
-    config = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
     with torch.device(device):
-        layer = version.PackedNVFP4Experts(config, F.silu, has_input_scales=True)
+        layer = version.PackedNVFP4Experts(CONFIG, F.silu, has_input_scales=True)
     for name in ("gate_up", "down"):
         codes = getattr(layer, f"{name}_packed_codes")
         codes.copy_(torch.randint(0, 256, codes.shape, generator=generator, device=device, dtype=torch.int16))
@@ -128,11 +128,18 @@ def main() -> int:
     # 2, 3. layer outputs against the unpack reference
     report["accuracy"] = []
     capability = torch.cuda.get_device_capability()
-    hopper, blackwell = capability == (9, 0), capability[0] == 10
-    kernel_choices = ("triton",) + ("gluon",) * hopper + ("native",) * blackwell
+    hopper, blackwell = capability == (9, 0), capability[0] >= 10
     if not blackwell:
-        print(f"native FP4 kernels: not checked, this GPU is compute capability {capability[0]}.{capability[1]} "
-              "and torch runs its grouped FP4 matmul on 10.x only")
+        print(f"native FP4 kernels: not checked, this GPU (compute capability {capability[0]}.{capability[1]}) has no "
+              "FP4 tensor cores")
+    else:
+        try:
+            serve_clef.check_native_fp4({}, CONFIG, torch.device("cuda"))
+        except serve_clef.CheckpointError as refusal:  # a failure where torch should run them (10.x)
+            blackwell = False
+            failures += capability[0] == 10
+            print(f"native FP4 kernels: not checked: {refusal}")
+    kernel_choices = ("triton",) + ("gluon",) * hopper + ("native",) * blackwell
     for power_of_two in (False, True):
         layer = random_layer(power_of_two, seed=2)
         fragments = random_layer(power_of_two, seed=2)  # the same weights, for the gluon kernels

@@ -162,18 +162,25 @@ def test_native_order_keeps_the_checkpoints_weights(fp4_tensor_cores):
         assert torch.equal(before, after)
 
 
-def test_native_kernels_are_chosen_on_compute_capability_10_only(monkeypatch):
+def test_native_kernels_are_chosen_where_the_gpu_has_fp4_tensor_cores(monkeypatch):
     cuda, config = torch.device("cuda"), tiny_text_config()
-    capability = (10, 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert serve_clef.resolve_expert_kernels("auto", cuda, config) == "native"
-    assert serve_clef.resolve_expert_kernels("native", cuda, config) == "native"
-    assert serve_clef.resolve_expert_kernels("auto", cuda, config, experts_w4a4=False) == "triton"
-    with pytest.raises(serve_clef.CheckpointError, match="this one is W4A16"):
-        serve_clef.resolve_expert_kernels("native", cuda, config, experts_w4a4=False)
-    for capability in ((12, 0), (9, 0)):
-        assert serve_clef.resolve_expert_kernels("auto", cuda, config) in ("triton", "gluon")
-        with pytest.raises(serve_clef.CheckpointError, match=r"compute capability 10\.x .* is compute capability"):
+    for capability in ((10, 0), (10, 3), (12, 0)):  # torch refuses 12.x today: the check at load then says so
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert serve_clef.resolve_expert_kernels("auto", cuda, config) == "native"
+        assert serve_clef.resolve_expert_kernels("native", cuda, config) == "native"
+        assert serve_clef.resolve_expert_kernels("auto", cuda, config, experts_w4a4=False) == "triton"
+        with pytest.raises(serve_clef.CheckpointError, match="this one is W4A16"):
+            serve_clef.resolve_expert_kernels("native", cuda, config, experts_w4a4=False)
+    odd = tiny_text_config()
+    odd.moe_intermediate_size = 48
+    assert serve_clef.resolve_expert_kernels("auto", cuda, odd) == "triton"
+    with pytest.raises(serve_clef.CheckpointError, match="multiples of 32, this model has 64 and 48"):
+        serve_clef.resolve_expert_kernels("native", cuda, odd)
+    for capability, auto in (((9, 0), "gluon"), ((8, 0), "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        config.hidden_size, config.moe_intermediate_size = 2048, 768
+        assert serve_clef.resolve_expert_kernels("auto", cuda, config) == auto
+        with pytest.raises(serve_clef.CheckpointError, match=r"FP4 tensor cores .* is compute capability"):
             serve_clef.resolve_expert_kernels("native", cuda, config)
     with pytest.raises(serve_clef.CheckpointError, match="is a CPU"):
         serve_clef.resolve_expert_kernels("native", torch.device("cpu"), config)
@@ -202,7 +209,7 @@ def test_the_load_time_check_passes_the_documented_matmul_and_refuses_others(mon
 @torch.no_grad()
 def test_tiny_model_answers_with_native_kernels_as_with_the_w4a4_replay(monkeypatch, fp4_tensor_cores):
     """The whole load path (the check at load, the layers put in native order) and the answers, on CPU, with the
-    kernels chosen as a compute capability 10.x GPU would choose them."""
+    kernels chosen as a GPU with FP4 tensor cores would choose them."""
     resolve = serve_clef.resolve_expert_kernels
     monkeypatch.setattr(serve_clef, "resolve_expert_kernels", lambda choice, *args: (
         "native" if choice == "native" else resolve(choice, *args)))
