@@ -2470,7 +2470,8 @@ def load_clef(
         else:
             progress(f"native FP4 kernels (W4A4: each expert input quantized to NVFP4 with its calibrated scale) agree "
                      f"with the unpack path on this GPU: mean error {mean_error:.4f} of the mean output on a random "
-                     "layer")
+                     "layer. serve_clef's developers have not run them on a GPU with FP4 tensor cores themselves, "
+                     "hence this check at every load")
     if expert_kernels in ("gluon", "triton") and text_config.hidden_act != "silu":
         raise CheckpointError(f"--expert-kernels {expert_kernels} fuses SiLU; this model's experts use "
                               f"{text_config.hidden_act}: use --expert-kernels unpack")

@@ -221,8 +221,12 @@ def test_tiny_model_answers_with_native_kernels_as_with_the_w4a4_replay(monkeypa
             "anger": {"type": "score", "criteria": ["calm", "annoyed", "angry"]},
         },
     }
-    native = load_tiny(["--expert-kernels", "native"])
+    lines = []
+    native = serve_clef.load_from_args(
+        serve_clef.parse_args(["--model", "synthetic", "--device", "cpu", "--expert-kernels", "native"]), lines.append)
     assert native.expert_kernels == "native"
+    assert any("native kernels" in line for line in lines)  # the loading line names them
+    assert any("agree with the unpack path" in line and "have not run them" in line for line in lines)
     layers = [m for m in native.model.modules() if isinstance(m, serve_clef.PackedNVFP4Experts)]
     assert layers and all(layer.kernels == "native" and hasattr(layer, "down_blocked_scales") for layer in layers)
     replay = load_tiny(["--expert-kernels", "unpack", "--simulate-fp4-activations"])
