@@ -712,9 +712,9 @@ class ExpertTiles:
     """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
     down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
-    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take down_columns and
-    down_num_warps only, and their warps in warp groups of 4 that multiply the same activation rows by slabs of their
-    own: in gate_up one column slab of gate and up each, in down down_columns / 64 slabs shared among the groups."""
+    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take rows, num_warps,
+    num_stages and down_num_warps only, their warps in warp groups of 4 that multiply the same activation rows by
+    slabs of their own: in gate_up one column slab of gate and up each, in down one 64-column output slab each."""
 
     rows: int
     columns: int
@@ -819,32 +819,30 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
     "{\n.reg .b32 spread;\n" + "\n".join(
         f"prmt.b32 spread, $2, 0, {selector};\nmad.lo.u32 ${pair}, spread, 16, {FRAGMENT_SCALE_OFFSET:#x};"
         for pair, selector in enumerate(("0x4140", "0x4342"))) + "\n}")
-# Rows R per routed tile, pipeline stages, and the down kernel's output columns and warps (a warp group of 4 warps
-# per one or two 64-column slabs, all multiplying the same activation rows), by mean pairs per expert (T * K / E). On
-# an H200 (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 with one down
-# slab at 512-2,048, and 128 from 3,072 tokens on, where 256 output columns a down program beat one warp group of two
-# slabs: two warp groups of two slabs by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms), four of one slab by 3-4%
+# Rows R per routed tile, pipeline stages, and the down kernel's warps (a warp group of 4 warps per 64-column output
+# slab, all multiplying the same activation rows), by mean pairs per expert (T * K / E). On an H200 (2026-12-04,
+# docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 with one down slab at 512-2,048,
+# and 128 from 3,072 tokens on, where 256 output columns a down program beat one warp group of two slabs: two warp
+# groups of two slabs each by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms), four warp groups of one slab by 3-4%
 # more (8,192 tokens: 1.821 against 1.881-1.904 ms); gate_up in two warp groups was 8-15% slower. The rows of 64 lose
-# there by 10-20%; at 2,048 tokens they were within 1-3%. Two slabs a warp group lose with few tokens per expert (fewer
-# programs, two per SM at 188 registers against four); more warp groups gained nothing there. Where one row gives way
-# to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# there by 10-20%; at 2,048 tokens they were within 1-3%. Two slabs a warp group lost with few tokens per expert (fewer
+# programs, two per SM at 188 registers against four), and the down kernel has taken one slab a warp group since
+# (`git show 88e392d:serve_clef.py` has the two-slab form); more warp groups gained nothing there. Where one row gives
+# way to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3)),
     (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4)),
-    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_columns=4 * FRAGMENT_ROWS.value,
-                       down_num_warps=16)),
+    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_num_warps=16)),
 )
 
 
-def fragment_warp_groups(tiles: ExpertTiles, hidden: int, width: int) -> tuple[int, int, int]:
-    """How the gluon kernels share a tile row's work out, for this hidden size and expert width: gate_up's warp groups
-    (slab columns a program), down's output slabs a warp group and its warp groups (64 times their product: output
-    columns a program), each as many as the sizes divide into."""
+def fragment_warp_groups(tiles: ExpertTiles, hidden: int, width: int) -> tuple[int, int]:
+    """The warp groups of a gluon program, for this hidden size and expert width: gate_up's (each a column slab of
+    gate and up) and down's (each a 64-column output slab), as many as the table asks and the sizes divide into."""
     slab = FRAGMENT_ROWS.value
     gate_up_groups = fitted_block(tiles.num_warps // 4, width // slab)
-    down_columns = fitted_block(tiles.down_columns or tiles.columns, hidden)
-    down_groups = min((tiles.down_num_warps or tiles.num_warps) // 4, down_columns // slab)
-    return gate_up_groups, down_columns // (slab * down_groups), down_groups
+    down_groups = fitted_block((tiles.down_num_warps or tiles.num_warps) // 4, hidden // slab)
+    return gate_up_groups, down_groups
 
 
 def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
@@ -1128,35 +1126,27 @@ def nvfp4_down_fragment_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-    SLABS: gl.constexpr,  # output slabs (64 columns) per warp group, 1 or 2
-    WARP_GROUPS: gl.constexpr,  # (ExpertTiles.down_columns = 64 SLABS WARP_GROUPS, down_num_warps = 4 WARP_GROUPS)
+    WARP_GROUPS: gl.constexpr,  # 64-column output slabs a program, one a warp group (ExpertTiles.down_num_warps / 4)
 ):
-    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: SLABS * WARP_GROUPS * 64 output columns
+    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: 64 WARP_GROUPS output columns
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
         ROWS_COPY: gl.constexpr = fragment_rows_copy_layout(WARP_GROUPS)
         num_steps = width // FRAGMENT_STEP
-        slab = SLABS * WARP_GROUPS * slab_group  # the first warp group's first; its second lies WARP_GROUPS further
-        first_words_ptr, first_scales_ptr, slices = _fragment_step_pointers(
+        slab = WARP_GROUPS * slab_group  # the first warp group's
+        words_ptr, scales_ptr, slices = _fragment_step_pointers(
             fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width,
             WARP_GROUPS)
-        second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
-            fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + (SLABS - 1) * WARP_GROUPS,
-            num_steps, width, WARP_GROUPS)
         # the tile's intermediate rows, whole (gate_up wrote zeros in its padding slots)
         copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
         copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY))
         rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
-        out, second_out = _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
-                                             slices, rows_ptr, None, num_steps, width, BLOCK_R, STAGES,
-                                             SLABS == 2, WARP_GROUPS)
+        out, _ = _fragment_products(words_ptr, scales_ptr, words_ptr, scales_ptr, slices, rows_ptr, None, num_steps,
+                                    width, BLOCK_R, STAGES, False, WARP_GROUPS)
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
         _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
                             BLOCK_R, WARP_GROUPS)
-        if SLABS == 2:
-            _store_pair_outputs(second_out, slab + WARP_GROUPS, pairs, expert, routing_weights_ptr, global_scale_ptr,
-                                pair_outputs_ptr, hidden, BLOCK_R, WARP_GROUPS)
 
 
 # ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
@@ -1520,7 +1510,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
         num_tiles = tile_experts.numel()
         common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages)
-        gate_up_groups, down_slabs, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
+        gate_up_groups, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // (FRAGMENT_ROWS.value * gate_up_groups))](
@@ -1533,11 +1523,10 @@ class PackedNVFP4Experts(torch.nn.Module):
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // (FRAGMENT_ROWS.value * down_slabs * down_groups))](
+        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // (FRAGMENT_ROWS.value * down_groups))](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            self.num_experts, self.hidden, self.width, SLABS=down_slabs, WARP_GROUPS=down_groups,
-            num_warps=4 * down_groups, **common,
+            self.num_experts, self.hidden, self.width, WARP_GROUPS=down_groups, num_warps=4 * down_groups, **common,
         )
         return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
 

@@ -7,7 +7,7 @@ Needs the triton whose Gluon dialect serve_clef is written against (3.6, the GPU
 `pip install --target DIR triton==3.6.0` and DIR first on PYTHONPATH). Uses the ptxas and nvdisasm that triton ships.
 Compiles as the launcher does: pointers 16-byte aligned, hidden size and width multiples of 16.
 
-Usage: python3 bench/inspect_gluon_kernels.py [--sass gate_up|down --rows R [--slabs 2]] (SASS to stdout)
+Usage: python3 bench/inspect_gluon_kernels.py [--sass gate_up|down --rows R [--warp-groups G]] (SASS to stdout)
 """
 
 import argparse
@@ -84,27 +84,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", choices=("gate_up", "down"), help="print this kernel's SASS instead")
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--slabs", type=int, default=1, help="the down kernel's output slabs per warp group")
     parser.add_argument("--warp-groups", type=int, default=1, help="warp groups (4 warps) per program")
     args = parser.parse_args()
     kernels = {"gate_up": serve_clef.nvfp4_gate_up_fragment_kernel, "down": serve_clef.nvfp4_down_fragment_kernel}
     if args.sass:
         stages = next(tiles.num_stages for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
-        constexprs = ({"BLOCK_R": args.rows, "STAGES": stages, "WARP_GROUPS": args.warp_groups}
-                      | ({"SLABS": args.slabs} if args.sass == "down" else {}))
+        constexprs = {"BLOCK_R": args.rows, "STAGES": stages, "WARP_GROUPS": args.warp_groups}
         print(sass(compile_for_hopper(kernels[args.sass], constexprs, 4 * args.warp_groups)))
         return 0
     print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
     for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
         # as served for the real model's hidden size and expert width
-        gate_up_groups, slabs, down_groups = serve_clef.fragment_warp_groups(tiles, 2048, 768)
-        common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages}
-        for name, constexprs, groups in (("gate_up", common, gate_up_groups),
-                                         ("down", common | {"SLABS": slabs}, down_groups)):
+        gate_up_groups, down_groups = serve_clef.fragment_warp_groups(tiles, 2048, 768)
+        constexprs = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages}
+        for name, groups in (("gate_up", gate_up_groups), ("down", down_groups)):
             compiled = compile_for_hopper(kernels[name], constexprs | {"WARP_GROUPS": groups}, 4 * groups)
             report = assembler_report(compiled)
             print(f"up to {most_pairs_per_expert or 'any number of'} pairs per expert, R = {tiles.rows}, {name}, "
-                  f"{groups} warp group(s){f', {slabs} output slab(s) each' if name == 'down' else ''}: {report}")
+                  f"{groups} warp group(s): {report}")
     return 0
 
 

@@ -234,11 +234,10 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     # gate_up: a program per 64 columns of the width, one warp group
     assert gate_up_grid[1] * 64 == config.moe_intermediate_size and gate_up_constexprs["WARP_GROUPS"] == 1
     assert down_grid[0] == gate_up_grid[0]  # the same routed tiles
-    slabs, groups = down_constexprs["SLABS"], down_constexprs["WARP_GROUPS"]
-    assert down_grid[1] * slabs * groups * 64 == hidden
+    groups = down_constexprs["WARP_GROUPS"]
+    assert down_grid[1] * groups * 64 == hidden  # a 64-column slab per warp group
     assert down_constexprs["num_warps"] == 4 * groups
-    expected = {192: (1, 1), 256: (1, 4), 320: (1, 1), 384: (1, 2)}[hidden]  # (slabs, groups): the most that divide
-    assert (slabs, groups) == expected
+    assert groups == {192: 1, 256: 4, 320: 1, 384: 2}[hidden]  # the most, up to 4, that divide
 
 
 def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
