@@ -1925,8 +1925,9 @@ def check_native_fp4(expert_stores: dict[str, PackedNVFP4Experts], text_config: 
     """Whether the native kernels can serve these experts on `device`: the mean error, relative to the mean output,
     of a random layer of the model's sizes (8 experts, 2 a token, gate and up with different global scales) through
     them against the unpack path's W4A4 replay. Raises CheckpointError where they cannot: an expert whose gate and up
-    input scales differ (the fused gate_up input is quantized with one), torch's matmul failing on this GPU, or an
-    error beyond NATIVE_CHECK_MEAN_ERROR. No Blackwell GPU has run this check for serve_clef's developers."""
+    input scales differ (the fused gate_up input is quantized with one), torch's matmul failing on this GPU, an error
+    beyond NATIVE_CHECK_MEAN_ERROR, or, on a GPU, a CUDA graph of the layer that cannot be captured or replays to
+    other bits. No GPU with FP4 tensor cores has run this check for serve_clef's developers."""
     for store in expert_stores.values():
         if store.unequal_gate_up_input_scale is not None:
             raise CheckpointError(f"--expert-kernels native quantizes each expert's gate_up input with one scale, and "
@@ -1965,6 +1966,18 @@ def check_native_fp4(expert_stores: dict[str, PackedNVFP4Experts], text_config: 
         raise CheckpointError(f"--expert-kernels native: on a random layer torch's grouped FP4 matmul differs from the "
                               f"unpack path's W4A4 replay by {mean_error:.3f} of the mean output on {device} (expected "
                               f"under {NATIVE_CHECK_MEAN_ERROR})")
+    if device.type == "cuda":  # the engine replays the layers in CUDA graphs: the layer must replay to the same bits
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = layer.forward_native(*inputs)
+            graph.replay()
+        except RuntimeError as error:
+            raise CheckpointError(f"--expert-kernels native: torch's grouped FP4 matmul cannot be captured in a CUDA "
+                                  f"graph on {device}: {' '.join(str(error).split())[:300]}") from error
+        if not torch.equal(replayed.float(), output):
+            raise CheckpointError("--expert-kernels native: replayed in a CUDA graph, the layer's outputs differ from "
+                                  f"its eager ones on {device}")
     return mean_error
 
 
