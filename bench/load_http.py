@@ -69,6 +69,20 @@ def hang_up(port: int, body: bytes) -> None:
         time.sleep(0.05)
 
 
+def wait_until_ready(server: subprocess.Popen, port: int, seconds: float) -> None:
+    """Until the server on `port` answers /healthz with 200 (its model loaded); fails if it exits or takes longer."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert server.poll() is None, "the server exited while loading"
+        assert time.monotonic() < deadline, "the server did not become ready"
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+
+
 def batch_records(base_url: str) -> tuple[float, float]:
     """(forwards run, records scored) so far, from /metrics."""
     metrics = requests.get(f"{base_url}/metrics", timeout=30).text
@@ -153,16 +167,7 @@ def main() -> int:
         # the synthetic release's tokenizer, as the server builds it (written without weights)
         release_dir = synthetic_release.write_release(Path(tempfile.mkdtemp()) / "full", "full", weights=False)
         tokenizer = joint_schema_model.load_processor(release_dir).tokenizer
-        deadline = time.monotonic() + 900
-        while True:
-            assert server.poll() is None, "the server exited while loading"
-            assert time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
+        wait_until_ready(server, port, 900)
         results = {"server_flags": server_flags}
         seed = 0
         for clients, count, mixed in LEVELS:
