@@ -1143,7 +1143,7 @@ def nvfp4_down_fragment_kernel(
         copy_slots = tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY))
         rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
         out, _ = _fragment_products(words_ptr, scales_ptr, words_ptr, scales_ptr, slices, rows_ptr, None, num_steps,
-                                    width, BLOCK_R, STAGES, False, WARP_GROUPS)
+                                    width, BLOCK_R, STAGES, False, WARP_GROUPS)  # one slab: no second one to read
         pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
         _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
                             BLOCK_R, WARP_GROUPS)
