@@ -18,7 +18,8 @@ powers of two, so they never match the replay to the bit); elsewhere the script 
 Timings: one layer's experts (gate_up + down) per token count, each captured in a CUDA graph and replayed as the
 serving engine runs it: the Triton kernels' tiles as served (also without a graph: eager launches), the gluon
 kernels (Hopper), the native kernels (FP4 tensor cores), the unpack path, the W4A4 replay, and with --sweep
-every candidate tile configuration (how EXPERT_TILES was chosen; minutes of compiling); the bf16 matmul rate and copy bandwidth of this GPU in the same run, for the ceilings.
+every candidate tile configuration (how EXPERT_TILES was chosen; minutes of compiling); the bf16 matmul rate and
+copy bandwidth of this GPU in the same run, for the ceilings.
 
 Usage: python3 bench/check_expert_kernels.py [--sweep]   (writes $OUT/expert_kernels.json when OUT is set)
 """
@@ -144,14 +145,17 @@ def main() -> int:
         layer = random_layer(power_of_two, seed=2)
         fragments = random_layer(power_of_two, seed=2)  # the same weights, for the gluon kernels
         fragments.to_fragment_order()
-        natives = random_layer(power_of_two, seed=2)  # and for the native ones
-        natives.to_native_order()
+        forwards = {"triton": functools.partial(serve_clef.PackedNVFP4Experts.forward_packed, layer),
+                    "gluon": fragments.forward_fragments}
+        natives = random_layer(power_of_two, seed=2) if blackwell else None  # and for the native ones
+        if natives is not None:
+            natives.to_native_order()
+            forwards["native"] = natives.forward_native
         for kernels, simulate in itertools.product(kernel_choices, (False, True)):
             if kernels == "native" and not simulate:
                 continue  # they compute W4A4 only
             layer.simulate_fp4_activations = fragments.simulate_fp4_activations = simulate
-            forward = {"triton": functools.partial(serve_clef.PackedNVFP4Experts.forward_packed, layer),
-                       "gluon": fragments.forward_fragments, "native": natives.forward_native}[kernels]
+            forward = forwards[kernels]
             for num_tokens in (1, 7, 512, 2048, 4096, 8192):
                 inputs = routed_inputs(num_tokens, seed=num_tokens)
                 reference = layer.forward_unpacked(*inputs).float()
@@ -187,12 +191,13 @@ def main() -> int:
     fragments.load_state_dict(layer.state_dict())
     fragments.input_scale_values, fragments.simulate_fp4_activations = layer.input_scale_values, True
     fragments.to_fragment_order()
-    natives = random_layer(True, seed=4)
-    natives.load_state_dict(layer.state_dict())
-    natives.input_scale_values = layer.input_scale_values
-    natives.to_native_order()
-    forwards = ({"triton": layer.forward_packed} | ({"gluon": fragments.forward_fragments} if hopper else {})
-                | ({"native": natives.forward_native} if blackwell else {}))
+    forwards = {"triton": layer.forward_packed} | ({"gluon": fragments.forward_fragments} if hopper else {})
+    natives = random_layer(True, seed=4) if blackwell else None
+    if natives is not None:
+        natives.load_state_dict(layer.state_dict())
+        natives.input_scale_values = layer.input_scale_values
+        natives.to_native_order()
+        forwards["native"] = natives.forward_native
     for (kernels, forward), num_tokens in itertools.product(forwards.items(), (7, 512)):
         inputs = routed_inputs(num_tokens, seed=num_tokens)
         reference = layer.forward_unpacked(*inputs).float()
@@ -226,8 +231,9 @@ def main() -> int:
     packed_bytes = sum(buffer.nbytes for buffer in layer.buffers())
     fragments = random_layer(False, seed=3)
     fragments.to_fragment_order()
-    natives = random_layer(False, seed=3)
-    natives.to_native_order()
+    natives = random_layer(False, seed=3) if blackwell else None
+    if natives is not None:
+        natives.to_native_order()
     report["timings"] = []
     tables = serve_clef.EXPERT_TILES
     for num_tokens in TOKEN_COUNTS:
