@@ -3398,6 +3398,7 @@ MAX_AUDIO_SECONDS = 300  # per clip, and per video soundtrack
 # The audio feature extractor reflect-pads each clip by half its 400-sample FFT window, which needs more than 200
 # samples at 16 kHz; 13 ms (208 samples) leaves room for the resampler's rounding of clips recorded at other rates.
 MIN_AUDIO_SECONDS = 0.013
+AUDIO_SAMPLE_RATE = 16_000  # the decision module's load_audio gives samples at this rate
 # FFmpeg reads up to 5 MB of a clip when it opens it, to find what the WAV or MP3 header states already (about 5 ms
 # per open of a 10 s WAV on the H200's host); the length checks read the headers and frames only.
 AUDIO_OPEN_OPTIONS = {"probesize": "32"}
@@ -3691,9 +3692,25 @@ def _refuse_short_sound(media: MediaItem, seconds: float, what: str) -> None:
                        f"{MIN_AUDIO_SECONDS * 1000:.0f} ms (the audio encoder's window)")
 
 
+def _packet_seconds(packets: Iterable[av.Packet]) -> float | None:
+    """A stream's length from its demuxed packets' durations, nothing decoded; None where a packet states none.
+    Decoding gives at most this much: an MP3's packets also count the encoder's delay and padding, which the decoder
+    drops (10.031 s of packets for 10.000 s of sound at 44.1 kHz), and a WAV's packets are exactly its samples."""
+    seconds = 0.0
+    for packet in packets:
+        if packet.size == 0:  # the demuxer's end-of-stream marker
+            continue
+        if not packet.duration or packet.time_base is None:
+            return None
+        seconds += float(packet.duration * packet.time_base)
+    return seconds
+
+
 def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) -> np.ndarray:
-    """16 kHz mono samples of a WAV or MP3 clip of 13 ms to 300 s. The length is bounded before the clip is resampled:
-    from the header (except MP3's, which FFmpeg only estimates), then on the decoded frames, stopping at the limit."""
+    """16 kHz mono samples of a WAV or MP3 clip of 13 ms to 300 s, decoded once (by the decision module). The length is
+    bounded before that decoding resamples the clip: from the header (except MP3's, which FFmpeg only estimates), then
+    from the packets, which decode to at most their durations; only a clip whose packets pass the limit, or state no
+    duration, is decoded here to count its frames exactly, stopping at the limit."""
     try:
         with av.open(io.BytesIO(data), options=AUDIO_OPEN_OPTIONS) as container:
             container_format = container.format.name
@@ -3706,11 +3723,17 @@ def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) 
             if container_format != "mp3" and declared > MAX_AUDIO_SECONDS:
                 raise _invalid(media.loc, f"{media.name} lasts {declared:.1f} s by its header; at most "
                                f"{MAX_AUDIO_SECONDS} s per clip")
-            seconds = _decoded_seconds(container.decode(stream), 0.0, media, "lasts")
+            seconds = _packet_seconds(container.demux(stream))
+        if seconds is None or seconds > MAX_AUDIO_SECONDS:
+            with av.open(io.BytesIO(data), options=AUDIO_OPEN_OPTIONS) as container:
+                seconds = _decoded_seconds(container.decode(container.streams.audio[0]), 0.0, media, "lasts")
         _refuse_short_sound(media, seconds, "lasts")
-        return schema.load_audio(data)
+        samples = schema.load_audio(data)
     except (av.FFmpegError, ValueError) as error:
         raise _undecodable(media, "audio", error) from None
+    # the packets counted an MP3's encoder delay and padding too: the samples themselves must reach the minimum
+    _refuse_short_sound(media, len(samples) / AUDIO_SAMPLE_RATE, "lasts")
+    return samples
 
 
 def _check_video(media: MediaItem, data: bytes) -> None:

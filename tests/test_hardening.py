@@ -158,6 +158,63 @@ def test_an_mp3_past_300_s_is_refused_while_decoding_before_resampling(loaded, m
     assert "over 300 s" in refused.message
 
 
+def tone_clip(container_format: str, codec: str, sample_rate: int, layout: str, seconds: float) -> bytes:
+    """A 440 Hz tone (every frame carries sound, unlike silence, which MP3 encoders may squeeze) encoded by FFmpeg."""
+    channels = 2 if layout == "stereo" else 1
+    times = np.arange(round(seconds * sample_rate)) / sample_rate
+    samples = np.repeat(0.3 * np.sin(2 * np.pi * 440 * times), channels).astype(np.float32)[None]  # packed channels
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=sample_rate, layout=layout)
+        for start in range(0, samples.shape[1] // channels, 1152):
+            frame = av.AudioFrame.from_ndarray(samples[:, start * channels:(start + 1152) * channels], format="flt",
+                                               layout=layout)
+            frame.sample_rate, frame.pts = sample_rate, start
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("container_format, codec, sample_rate, layout, seconds", [
+    ("mp3", "libmp3lame", 8_000, "mono", 0.005),
+    ("mp3", "libmp3lame", 8_000, "mono", 3.0),
+    ("mp3", "libmp3lame", 16_000, "mono", 10.0),
+    ("mp3", "libmp3lame", 44_100, "stereo", 2.5),
+    ("mp3", "libmp3lame", 48_000, "stereo", 1.0),
+    ("wav", "pcm_s16le", 44_100, "stereo", 2.5),
+    ("wav", "pcm_s16le", 16_000, "mono", 0.013),
+])
+def test_an_audio_clips_packets_bound_its_decoded_length(container_format, codec, sample_rate, layout, seconds):
+    # what the server's single decode rests on: a clip decodes to at most its packets' durations (the packets of an
+    # MP3 also count the encoder's delay and padding, a few frames); FFmpeg's decoder is the reference
+    data = tone_clip(container_format, codec, sample_rate, layout, seconds)
+    with av.open(io.BytesIO(data)) as container:
+        packets = serve_clef._packet_seconds(container.demux(container.streams.audio[0]))
+    with av.open(io.BytesIO(data)) as container:
+        decoded = sum(frame.samples / frame.sample_rate for frame in container.decode(audio=0))
+    assert 0 < decoded <= packets <= decoded + (0.3 if container_format == "mp3" else 1e-9)
+
+
+def test_an_mp3_within_the_limits_is_decoded_once_by_the_decision_module(loaded, monkeypatch):
+    mp3 = tone_clip("mp3", "libmp3lame", 44_100, "stereo", 2.5)
+    expected = answers(loaded, with_media("audio", "audio/mpeg", mp3))
+    decodes = []
+    real_load_audio = loaded.schema.load_audio
+    monkeypatch.setattr(loaded.schema, "load_audio", lambda value: decodes.append(value) or real_load_audio(value))
+    monkeypatch.setattr(serve_clef, "_decoded_seconds", never("the server's own decoding of the clip"))
+    assert answers(loaded, with_media("audio", "audio/mpeg", mp3)) == expected
+    assert [type(value) for value in decodes] == [bytes, np.ndarray]  # the clip once, then its samples as they are
+
+
+def test_an_mp3_whose_samples_fall_short_of_13_ms_gets_422(loaded):
+    mp3 = tone_clip("mp3", "libmp3lame", 8_000, "mono", 0.005)  # 40 samples; its packets say 144 ms or more
+    with av.open(io.BytesIO(mp3)) as container:
+        assert serve_clef._packet_seconds(container.demux(container.streams.audio[0])) > serve_clef.MIN_AUDIO_SECONDS
+    refused = refusal(loaded, with_media("audio", "audio/mpeg", mp3))
+    assert (refused.status, refused.loc) == (422, ("body", "audio", 0))
+    assert "at least 13 ms" in refused.message
+
+
 def test_audio_shorter_than_the_feature_window_gets_422_not_500(loaded):
     # the reference: the release's own feature extraction fails below its window, and serves a clip above it
     record = {**GOOD_REQUEST, "audio": [np.zeros(200, dtype=np.float32)]}
