@@ -3340,9 +3340,9 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
 @torch.inference_mode()
 def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], list[list[torch.Tensor] | None]]:
     """Queue one forward of a batch of encoded records on the device, and return `wait`: wait() blocks until it has
-    run and returns each record's option logits per question (in host memory). The host is free in between: when
-    more is waiting than one forward takes, the server queues the next batch's forward before it answers this one's
-    records, so that the device has work while the host answers.
+    run and returns each record's option logits per question (in host memory), the same on every call (a fault of
+    the device, on every call). The host is free in between: the server queues the next batch's forward before it
+    answers this one's records, so that the device has work while the host answers.
 
     The batch is the decision module's own collation (right-padded, media concatenated) through its own
     `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
@@ -3978,11 +3978,6 @@ KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this l
 SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
-# After answering a forward's records while less than a forward's worth waits, the scorer gives their clients this
-# long to send their next requests, so that those join the next forward instead of waiting a whole forward behind it
-# (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
-# client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
-REJOIN_WAIT_S = 0.015
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -4230,10 +4225,9 @@ class ClefService:
     decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
     thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
-    over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
-    takes, it is queued before the records of the forward before it are answered, so that the device runs it while
-    the host answers; otherwise those records are answered first, and the requests their clients send next join it
-    (the scorer waits up to REJOIN_WAIT_S for them).
+    over the budget runs alone), and queues their forward on the device before it answers the records of the forward
+    before it, so that the device runs the one while the host answers the other. When everything waiting fits in
+    one forward, it first lets the running forward finish, so that the requests that arrive meanwhile join the next.
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
@@ -4298,44 +4292,45 @@ class ClefService:
         self.load_in_background()
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
         running = None  # (batch, when its forward was queued, its wait) of the forward queued last, not yet answered
-        rejoin = None  # (records to wait for, until when): the clients just answered may send their next requests
-        while self.loaded is not None:
-            if not backlog and running is None:
-                backlog.append(self.prepared.get())
+
+        def take_arrivals() -> None:
             with contextlib.suppress(queue.Empty):
                 while True:
                     backlog.append(self.prepared.get_nowait())
-            while (rejoin is not None and len(backlog) < min(rejoin[0], MAX_RECORDS_PER_FORWARD)
-                   and sum(job.prepared.tokens for job in backlog) < self.args.max_batch_tokens):
-                try:
-                    backlog.append(self.prepared.get(timeout=max(0.0, rejoin[1] - time.perf_counter())))
-                except queue.Empty:  # the clients answered last did not all send again in time
-                    break
-            rejoin = None
+
+        while self.loaded is not None:
+            if not backlog and running is None:
+                backlog.append(self.prepared.get())
+            take_arrivals()
+            if running is not None and len(self.next_batch(backlog)) == len(backlog):
+                # Everything waiting fits in one forward: let the running forward finish first (its logits wait for
+                # answer_batch), while requests go on arriving and being prepared, so that the next forward takes
+                # all that have come by the time the device is free. Queued at once, it would take only those that
+                # came first, and closed-loop clients would settle into more, smaller forwards.
+                with contextlib.suppress(Exception):  # a fault of that forward: answer_batch's wait() raises it again
+                    running[2]()
+                take_arrivals()
             backlog = [job for job in backlog if self.still_wanted(job)]
-            batch, tokens = [], 0
-            for job in backlog:
-                fits = not batch or (tokens + job.prepared.tokens <= self.args.max_batch_tokens
-                                     and len(batch) < MAX_RECORDS_PER_FORWARD)
-                if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
-                    batch.append(job)
-                    tokens += job.prepared.tokens
-            if running is not None and len(batch) == len(backlog):
-                # Everything waiting fits in one forward: answer the running one's records first, and give their
-                # clients REJOIN_WAIT_S to send their next requests, so that those join this forward rather than wait
-                # a whole forward longer.
-                self.answer_batch(*running)
-                rejoin = (len(backlog) + len(running[0]), time.perf_counter() + REJOIN_WAIT_S)
-                running = None
-                continue
+            batch = self.next_batch(backlog)
             backlog = [job for job in backlog if job not in batch]
-            # More is waiting than one forward takes: the next forward is queued before the last one's records are
-            # answered, and the device runs it while the host answers (and the HTTP and preparing threads, woken by
-            # the answers, take Python's lock).
+            # The next forward is queued before the last one's records are answered: the device runs it while the
+            # host answers (and the HTTP and preparing threads, woken by the answers, take Python's lock).
             queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
                 self.answer_batch(*running)
             running = queued
+
+    def next_batch(self, backlog: list[DecisionJob]) -> list[DecisionJob]:
+        """The jobs of the next forward: in arrival order, up to max_batch_tokens tokens (a job over the budget runs
+        alone) and MAX_RECORDS_PER_FORWARD records, skipping those that cannot share its forward."""
+        batch, tokens = [], 0
+        for job in backlog:
+            fits = not batch or (tokens + job.prepared.tokens <= self.args.max_batch_tokens
+                                 and len(batch) < MAX_RECORDS_PER_FORWARD)
+            if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
+                batch.append(job)
+                tokens += job.prepared.tokens
+        return batch
 
     def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, Callable] | None:
         forward_started = time.perf_counter()

@@ -144,8 +144,8 @@ def answers_recorded(monkeypatch, held):
 
 
 def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(loaded, monkeypatch):
-    """While the device runs a forward, the host answers the records of the one before it: when more is waiting than
-    one forward takes, the next forward goes to the device before the last one's records are answered."""
+    """While the device runs a forward, the host answers the records of the one before it: the next forward goes to
+    the device before the last one's records are answered, at once when more is waiting than one forward takes."""
     tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
     with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens + 2)) as (base_url, held):
         with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
@@ -160,68 +160,62 @@ def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(l
             responses = [first.result(), *(future.result() for future in rest)]
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1"], ["r2"]]
-    # r0 answered after r1 was queued (r2 still waiting); r1 before r2 was queued (r2 alone fits in one forward)
-    assert forwards_when_answered == {"r0": 2, "r1": 2, "r2": 3}
+    # each forward's records answered once the next forward was queued (r2's: none came after it)
+    assert forwards_when_answered == {"r0": 2, "r1": 3, "r2": 3}
 
 
-def test_what_fits_in_one_forward_waits_for_the_last_one_s_records_to_be_answered(loaded, monkeypatch):
-    """When everything waiting fits in one forward, the running forward's records are answered before the next
-    forward is queued, so that the requests their clients send next can still join it."""
-    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
-        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=2) as pool:
+class HeldWait:
+    """Stands in for the engine's queue_forward: queues the forward as it does, but the forward's wait() holds until
+    the test lets it go, as if the device were still running it; records the records of each forward."""
+
+    def __init__(self, monkeypatch):
+        self.queue_forward = serve_clef.queue_forward
+        self.batches = []
+        self.waiting = threading.Semaphore(0)  # released when the scorer starts waiting for a held forward
+        self.go = threading.Event()
+        monkeypatch.setattr(serve_clef, "queue_forward", self)
+
+    def __call__(self, loaded, encoded_records):
+        self.batches.append([record.record_id for record in encoded_records])
+        wait = self.queue_forward(loaded, encoded_records)
+
+        def held_wait():
+            self.waiting.release()
+            assert self.go.wait(TIMEOUT_S)
+            return wait()
+
+        return held_wait
+
+
+def test_what_arrives_while_a_forward_runs_joins_the_next_forward(loaded, monkeypatch):
+    """When everything waiting fits in one forward, the scorer lets the running forward finish before it queues the
+    next: requests that arrive while the device runs it all join the next forward, which is queued before the
+    running one's records are answered."""
+    held = HeldWait(monkeypatch)
+    with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        held.batches.clear()  # the load's own forwards, if any
+        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
-            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
-            second = pool.submit(post, base_url, request_with_id(1))
-            time.sleep(1.0)  # r1 prepared and waiting
+            assert held.waiting.acquire(timeout=TIMEOUT_S)  # r0 queued; the scorer waits for the device to run it
+            rest = []
+            for number in (1, 2):
+                rest.append(pool.submit(post, base_url, request_with_id(number)))
+                wait_until_queued(base_url, number + 1)
+            time.sleep(1.0)  # r1 and r2 prepared and waiting
             held.go.set()
-            responses = [first.result(), second.result()]
-    assert all(response.status_code == 200 for response in responses)
-    assert held.batches == [["r0"], ["r1"]]
-    assert forwards_when_answered == {"r0": 1, "r1": 2}
-
-
-def test_the_answered_clients_next_requests_join_the_forward_that_waits_for_them(loaded, monkeypatch):
-    """After answering a forward while less than a forward's worth waits, the scorer gives the answered clients time
-    to send again: a client answered by one forward and a request that waited through it share the next forward."""
-    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)  # long enough for any machine's round trip
-    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            client = pool.submit(lambda: [post(base_url, request_with_id(0)), post(base_url, request_with_id(2))])
-            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
-            waiting = pool.submit(post, base_url, request_with_id(1))
-            time.sleep(1.0)  # r1 prepared and waiting
-            held.go.set()
-            responses = [*client.result(), waiting.result()]
+            responses = [first.result(), *(future.result() for future in rest)]
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1", "r2"]]
+    assert forwards_when_answered == {"r0": 2, "r1": 2, "r2": 2}
 
 
-def test_a_lone_client_s_next_request_does_not_wait_to_be_joined(loaded, monkeypatch):
+def test_a_lone_client_s_next_request_is_scored_at_once(loaded, monkeypatch):
     """With nothing else waiting, a client's next request is scored as soon as it is prepared."""
-    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
     with server_with_held_device(loaded, monkeypatch) as (base_url, held):
         held.go.set()
         assert post(base_url, request_with_id(0)).status_code == 200
         started = time.perf_counter()
         assert post(base_url, request_with_id(1)).status_code == 200
         assert time.perf_counter() - started < TIMEOUT_S / 8
-    assert held.batches == [["r0"], ["r1"]]
-
-
-def test_a_forward_s_worth_waiting_is_not_held_for_the_answered_clients(loaded, monkeypatch):
-    """The wait for the answered clients ends as soon as a forward's worth of tokens waits: r1, alone a whole
-    forward under this budget, goes to the device as soon as r0 is answered."""
-    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
-    tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
-    with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens)) as (base_url, held):
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            first = pool.submit(post, base_url, request_with_id(0))
-            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
-            waiting = pool.submit(post, base_url, request_with_id(1))
-            wait_until_queued(base_url, 2)
-            time.sleep(1.0)  # r1 prepared and waiting
-            released = time.perf_counter()
-            held.go.set()
-            assert waiting.result().status_code == 200 and first.result().status_code == 200
-            assert time.perf_counter() - released < TIMEOUT_S / 8
     assert held.batches == [["r0"], ["r1"]]
