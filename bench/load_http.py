@@ -8,7 +8,10 @@ tokens/s of the answered requests, requests lost (sent by a client that waited, 
 forward (from /metrics), the median of each stage the server reports in Server-Timing (queue, decode, encode,
 forward, answer; plain clients only) and the /healthz latency under load.
 
-Usage: python3 bench/load_http.py [SERVER FLAGS...]   (writes $OUT/load_http.json when OUT is set)
+Usage: python3 bench/load_http.py [--serve-clef FILE] [SERVER FLAGS...]   (writes $OUT/load_http.json when OUT is set)
+       --serve-clef FILE: serve with another version of serve_clef.py (e.g. `git show REV:serve_clef.py > FILE`, kept
+       in this tree's root, beside the decision module and synthetic release it imports), to compare two versions on
+       one machine.
 """
 
 import json
@@ -159,16 +162,20 @@ def run_level(port: int, clients: int, bodies: list[tuple[bytes, int]], mixed: b
 
 def main() -> int:
     port = free_port()
-    server_flags = ["--model", "synthetic:full", "--device", "cuda", *sys.argv[1:]]
+    argv = sys.argv[1:]
+    server_file = ROOT / "serve_clef.py"
+    if argv[:1] == ["--serve-clef"]:
+        server_file, argv = Path(argv[1]).resolve(), argv[2:]
+    server_flags = ["--model", "synthetic:full", "--device", "cuda", *argv]
     log = open(Path(os.environ.get("OUT", tempfile.gettempdir()), "load_http_server.log"), "w")
-    server = subprocess.Popen([sys.executable, str(ROOT / "serve_clef.py"), *server_flags, "--port", str(port)],
+    server = subprocess.Popen([sys.executable, str(server_file), *server_flags, "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=log)
     try:
         # the synthetic release's tokenizer, as the server builds it (written without weights)
         release_dir = synthetic_release.write_release(Path(tempfile.mkdtemp()) / "full", "full", weights=False)
         tokenizer = joint_schema_model.load_processor(release_dir).tokenizer
         wait_until_ready(server, port, 900)
-        results = {"server_flags": server_flags}
+        results = {"server": str(server_file), "server_flags": server_flags}
         seed = 0
         for clients, count, mixed in LEVELS:
             bodies = []
@@ -182,7 +189,8 @@ def main() -> int:
             print(json.dumps(results[level]), flush=True)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "load_http.json").write_text(json.dumps(results, indent=2))
-        return 0 if all(result["lost"] == 0 for level, result in results.items() if level != "server_flags") else 1
+        levels = [result for level, result in results.items() if level not in ("server", "server_flags")]
+        return 0 if all(level["lost"] == 0 for level in levels) else 1
     finally:
         server.terminate()
         server.wait(timeout=60)
