@@ -219,3 +219,31 @@ def test_a_lone_client_s_next_request_is_scored_at_once(loaded, monkeypatch):
         assert post(base_url, request_with_id(1)).status_code == 200
         assert time.perf_counter() - started < TIMEOUT_S / 8
     assert held.batches == [["r0"], ["r1"]]
+
+
+def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_the_scorer_goes_on(
+        loaded, monkeypatch):
+    """A fault of the device surfaces when the host waits for the forward (CUDA reports asynchronous faults there,
+    and again on every later wait). The scorer waits for a running forward before queueing what fits in one, and
+    again to answer it: the forward's requests get 500, and the next request is served."""
+    queue_forward = serve_clef.queue_forward
+    faults = []
+
+    def faulty_queue_forward(loaded, encoded_records):
+        wait = queue_forward(loaded, encoded_records)
+        if faults:
+            return wait
+
+        def failing_wait():
+            faults.append(encoded_records[0].record_id)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return failing_wait
+
+    with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        monkeypatch.setattr(serve_clef, "queue_forward", faulty_queue_forward)
+        response = post(base_url, request_with_id(0))
+        check_error_body(response, 500, "internal error")
+        assert post(base_url, request_with_id(1)).status_code == 200
+    assert set(faults) == {"r0"} and len(faults) >= 2  # waited for before queueing, and again to answer
