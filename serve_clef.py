@@ -3323,9 +3323,9 @@ def batch_compatible(encoded_records: list) -> bool:
 
 def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], Any]:
     """Each record's option logits per question (a few values each), copied to host memory in one transfer for the
-    whole batch, queued without waiting: (the host tensors, a CUDA event that has passed once they hold the values,
-    or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a wait
-    per question."""
+    whole batch, queued without waiting: (the host tensors, a timing CUDA event that has passed once they hold the
+    values, or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a
+    wait per question."""
     questions = [question_logits for record_logits in batch_logits for question_logits in record_logits]
     if not questions:
         return batch_logits, None
@@ -3334,7 +3334,7 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
     if flat.is_cuda:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=True)  # the scheduler reads when the forward ended from it
         copied.record()
         flat = host
     host_questions = iter(flat.split([question_logits.numel() for question_logits in questions]))
@@ -3343,12 +3343,30 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
     return host_logits, copied
 
 
+@dataclass
+class ForwardInFlight:
+    """A forward queue_forward queued on the device: its records' option logits, per question, once it has run."""
+
+    host_logits: list  # per record, per question [n] in host memory (None: a record that did not fit the device)
+    end_event: torch.cuda.Event | None  # timed, passed once the logits are in; None: it ran on the host
+
+    def wait(self) -> list[list[torch.Tensor] | None]:
+        """Block until the forward has run; the same logits on every call (a fault of the device surfaces here, on
+        every call: CUDA keeps it)."""
+        if self.end_event is not None:
+            self.end_event.synchronize()
+        return self.host_logits
+
+    def done(self) -> bool:
+        """Whether the forward has run, without waiting."""
+        return self.end_event is None or self.end_event.query()
+
+
 @torch.inference_mode()
-def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], list[list[torch.Tensor] | None]]:
-    """Queue one forward of a batch of encoded records on the device, and return `wait`: wait() blocks until it has
-    run and returns each record's option logits per question (in host memory), the same on every call (a fault of
-    the device, on every call). The host is free in between: the server queues the next batch's forward before it
-    answers this one's records, so that the device has work while the host answers.
+def queue_forward(loaded: LoadedClef, encoded_records: list) -> ForwardInFlight:
+    """Queue one forward of a batch of encoded records on the device, without waiting for it. The host is free in
+    between: the server queues the next batch's forward before it answers this one's records, so that the device has
+    work while the host answers.
 
     The batch is the decision module's own collation (right-padded, media concatenated) through its own
     `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
@@ -3362,22 +3380,18 @@ def queue_forward(loaded: LoadedClef, encoded_records: list) -> Callable[[], lis
     except torch.OutOfMemoryError:
         pass  # retried below, once the exception (and the frames it holds) has let go of the batch's memory
     else:
-        def wait() -> list[list[torch.Tensor]]:
-            if copied is not None:
-                copied.synchronize()  # an asynchronous fault of the device surfaces here, with this batch
-            return host_logits
-        return wait
+        return ForwardInFlight(host_logits, copied)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     alone = [None] if len(encoded_records) == 1 else [score_records(loaded, [record])[0] for record in encoded_records]
-    return lambda: alone
+    return ForwardInFlight(alone, None)
 
 
 def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.Tensor] | None]:
     """The joint head's option logits of each encoded record (per question, in host memory), from one forward of the
     batch, waited for (queue_forward)."""
-    return queue_forward(loaded, encoded_records)()
+    return queue_forward(loaded, encoded_records).wait()
 
 
 # ==== decisions =======================================================================================================
@@ -3987,6 +4001,7 @@ KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this l
 SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
+FORECAST_POLL_S = 0.001  # how often the scorer looks whether a forward it waits on ended before its forecast
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -4226,6 +4241,45 @@ class DecisionJob:
             self.future.set_result(response)
 
 
+class DeviceForecast:
+    """How long the device takes to run a forward of so many tokens: a line through the forwards it ran (tokens,
+    device seconds), fitted with fading weights; and how long the host takes to queue one."""
+
+    FADE = 0.95  # a forward's weight in the fit, for each forward run since
+
+    def __init__(self):
+        self.sums = np.zeros(5)  # weight, and the weighted sums of tokens, seconds, tokens², tokens x seconds
+        self.queue_s = 0.0  # the host's time to queue a forward, a fading mean
+
+    def device_seconds(self, tokens: int) -> float | None:
+        """The foreseen device time of a forward of `tokens` tokens; None until three forwards have run."""
+        weight, tokens_sum, seconds_sum, squares_sum, products_sum = self.sums
+        if weight < 2.5:
+            return None
+        mean_tokens, mean_seconds = tokens_sum / weight, seconds_sum / weight
+        spread = squares_sum / weight - mean_tokens ** 2  # tokens², 0 while every forward had as many tokens
+        per_token = (products_sum / weight - mean_tokens * mean_seconds) / spread if spread > 1.0 else 0.0
+        return max(0.0, mean_seconds + per_token * (tokens - mean_tokens))
+
+    def ran(self, tokens: int, seconds: float) -> None:
+        self.sums = self.sums * self.FADE + np.array([1.0, tokens, seconds, tokens ** 2, tokens * seconds])
+
+    def queued_in(self, seconds: float) -> None:
+        self.queue_s = 0.8 * self.queue_s + 0.2 * seconds
+
+
+@dataclass
+class QueuedForward:
+    """A forward the scorer queued and has not answered yet."""
+
+    batch: list[DecisionJob]
+    started: float  # when the host began to queue it (perf_counter)
+    queued: float  # when the host had queued it
+    tokens: int
+    flight: ForwardInFlight
+    waited: bool = False  # the scorer has waited for it once (ClefService.wait_for)
+
+
 class ClefService:
     """What the endpoints share: the model once loaded (or why loading failed), the scheduler that answers decisions,
     and the metrics.
@@ -4250,6 +4304,11 @@ class ClefService:
         self.queue_slots = threading.BoundedSemaphore(args.max_queue)  # one per request waiting or in a forward
         self.arrived = queue.SimpleQueue()  # DecisionJob, to prepare
         self.prepared = queue.SimpleQueue()  # DecisionJob with .prepared, to score
+        self.forecast = DeviceForecast()
+        self.last_ended: float | None = None  # when the device ended the forward answered last (perf_counter)
+        # (an event a forward's end passed, the host's clock then): the device's clock read on the host's, renewed
+        # with every forward the scorer waited for
+        self.device_clock: tuple[torch.cuda.Event, float] | None = None
 
     def start(self) -> None:
         # Daemon threads, so that stopping the server during a long load does not wait for the load to finish.
@@ -4300,7 +4359,7 @@ class ClefService:
     def score_forever(self) -> None:
         self.load_in_background()
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
-        running = None  # (batch, when its forward was queued, its wait) of the forward queued last, not yet answered
+        running: QueuedForward | None = None  # the forward queued last, not yet answered
 
         def take_arrivals() -> None:
             with contextlib.suppress(queue.Empty):
@@ -4312,12 +4371,20 @@ class ClefService:
                 backlog.append(self.prepared.get())
             take_arrivals()
             if running is not None and len(self.next_batch(backlog)) == len(backlog):
-                # Everything waiting fits in one forward: let the running forward finish first (its logits wait for
-                # answer_batch), while requests go on arriving and being prepared, so that the next forward takes
-                # all that have come by the time the device is free. Queued at once, it would take only those that
-                # came first, and closed-loop clients would settle into more, smaller forwards.
-                with contextlib.suppress(Exception):  # a fault of that forward: answer_batch's wait() raises it again
-                    running[2]()
+                # Everything waiting fits in one forward: let the running forward nearly finish first (its logits
+                # wait for answer_batch), while requests go on arriving and being prepared, so that the next forward
+                # takes all that have come by the time the device is free. Queued at once, it would take only those
+                # that came first, and closed-loop clients would settle into more, smaller forwards. Nearly: the next
+                # forward is queued the host's time to queue one before the running one is foreseen to end, so that
+                # the device need not wait for the host; until three forwards have run, once it has ended.
+                seconds = self.forecast.device_seconds(running.tokens)
+                with contextlib.suppress(Exception):  # a fault of that forward: answer_batch meets it again
+                    if seconds is None or self.last_ended is None:
+                        self.wait_for(running)
+                    else:
+                        queue_at = max(running.queued, self.last_ended) + seconds - self.forecast.queue_s
+                        while time.perf_counter() < queue_at and not running.flight.done():
+                            time.sleep(min(FORECAST_POLL_S, max(0.0, queue_at - time.perf_counter())))
                 take_arrivals()
             backlog = [job for job in backlog if self.still_wanted(job)]
             batch = self.next_batch(backlog)
@@ -4326,7 +4393,7 @@ class ClefService:
             # host answers (and the HTTP and preparing threads, woken by the answers, take Python's lock).
             queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
-                self.answer_batch(*running)
+                self.answer_batch(running)
             running = queued
 
     def next_batch(self, backlog: list[DecisionJob]) -> list[DecisionJob]:
@@ -4341,25 +4408,53 @@ class ClefService:
                 tokens += job.prepared.tokens
         return batch
 
-    def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, Callable] | None:
+    def queue_batch(self, batch: list[DecisionJob]) -> QueuedForward | None:
         forward_started = time.perf_counter()
         for job in batch:  # waiting time: everything before the forward that was not decoding or encoding
             job.timings["queue"] = forward_started - job.enqueued - job.timings["decode"] - job.timings["encode"]
         try:
-            return batch, forward_started, queue_forward(self.loaded, [job.prepared.encoded for job in batch])
+            flight = queue_forward(self.loaded, [job.prepared.encoded for job in batch])
         except BaseException as error:  # a fault of the forward: every request of the batch gets it (a 500)
             for job in batch:
                 job.settle(error=error)
             return None
+        queued = time.perf_counter()
+        self.forecast.queued_in(queued - forward_started)
+        return QueuedForward(batch, forward_started, queued, sum(job.prepared.tokens for job in batch), flight)
 
-    def answer_batch(self, batch: list[DecisionJob], forward_started: float, wait: Callable) -> None:
+    def wait_for(self, forward: QueuedForward) -> list[list[torch.Tensor] | None]:
+        """The forward's logits, once it has run. The first time, its device time goes into the forecast: from when
+        the device could start it (once queued, and once the forward before it ended) to its end, on the device's
+        clock (its end event), read on the host's: when the scorer waited for it, the end is now and renews the
+        reading; else it is read from the last one."""
+        if forward.waited:
+            return forward.flight.wait()
+        forward.waited = True
+        waiting_since = time.perf_counter()
+        logits = forward.flight.wait()
+        now, event = time.perf_counter(), forward.flight.end_event
+        if event is None:  # it ran on the host, inside queue_forward
+            ended = forward.queued
+        elif now - waiting_since > FORECAST_POLL_S / 2 or self.device_clock is None:
+            ended = now
+            self.device_clock = (event, now)
+        else:
+            clock_event, clock_host = self.device_clock
+            ended = clock_host + clock_event.elapsed_time(event) / 1000
+        could_start = forward.queued if self.last_ended is None else max(forward.queued, self.last_ended)
+        self.forecast.ran(forward.tokens, ended - could_start)
+        self.last_ended = ended
+        return logits
+
+    def answer_batch(self, forward: QueuedForward) -> None:
+        batch = forward.batch
         try:
-            batch_logits = wait()
+            batch_logits = self.wait_for(forward)
         except BaseException as error:
             for job in batch:
                 job.settle(error=error)
             return
-        forward_s = time.perf_counter() - forward_started
+        forward_s = time.perf_counter() - forward.started
         self.metrics.batch_records.observe(len(batch))
         for job, logits in zip(batch, batch_logits):
             job.timings["forward"] = forward_s

@@ -261,9 +261,9 @@ def main() -> int:
         following = serve_clef.queue_forward(loaded, [record.encoded for record in prepared[:4]])
     torch.cuda.set_sync_debug_mode(0)
     queued_ms = (time.perf_counter() - started) * 1000
-    running()
+    running.wait()
     running_ms = (time.perf_counter() - started) * 1000
-    following()
+    following.wait()
     syncs = sum("synchroniz" in str(warning.message) for warning in caught)
     results["queued_behind_a_forward"] = {"syncs": syncs, "queueing_ms": round(queued_ms, 1),
                                           "running_forward_left_ms": round(running_ms, 1)}

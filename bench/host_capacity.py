@@ -48,6 +48,22 @@ import synthetic_release  # noqa: E402
 LEVELS = [(1, 16), (8, 64), (16, 128), (64, 256)]  # (clients, requests in all), load_http's plain levels
 
 
+class ModeledEnd:
+    """A modeled forward's end, as its timed CUDA event would give it: the modeled device's clock is the host's."""
+
+    def __init__(self, at: float):
+        self.at = at  # perf_counter
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def elapsed_time(self, later: "ModeledEnd") -> float:
+        return (later.at - self.at) * 1000  # ms, as torch.cuda.Event.elapsed_time
+
+
 def serve_modeled(args: argparse.Namespace, forwards: list) -> int:
     """The server, its device modeled; each forward's records, tokens and times go into `forwards`."""
     device_free_at = [0.0]
@@ -62,13 +78,9 @@ def serve_modeled(args: argparse.Namespace, forwards: list) -> int:
         finished = device_free_at[0] = started + (args.base_ms + args.per_token_us * tokens / 1000) / 1000
         forwards.append({"records": len(encoded_records), "tokens": tokens, "entered": entered,
                          "device_busy_from": started, "device_ended": finished})
-
-        def wait():
-            time.sleep(max(0.0, finished - time.perf_counter()))
-            return [[torch.zeros(len(question.option_ids)) for question in record.questions]
-                    for record in encoded_records]
-
-        return wait
+        logits = [[torch.zeros(len(question.option_ids)) for question in record.questions]
+                  for record in encoded_records]
+        return serve_clef.ForwardInFlight(logits, ModeledEnd(finished))
 
     serve_clef.queue_forward = modeled_queue_forward
     return serve_clef.main(["--model", "synthetic", "--device", "cpu", "--port", str(args.serve)])
@@ -113,12 +125,12 @@ def serve_real(args: argparse.Namespace, forwards: list) -> int:
                  "entered": time.perf_counter(), "device_reached": clock.mark()}
         in_progress.append(marks)  # a stack: a batch out of memory is scored again record by record, inside
         try:
-            wait = real_queue_forward(loaded, encoded_records)
+            flight = real_queue_forward(loaded, encoded_records)
         finally:
             in_progress.pop()
         marks.update(queued=time.perf_counter(), device_ended=clock.mark())
         marked.append(marks)
-        return wait
+        return flight
 
     def timed_decoder_forward(self, **kwargs):
         marks = in_progress[-1] if in_progress else {}

@@ -3,10 +3,13 @@ with Retry-After), a request that waits past its deadline gets 503, and the requ
 never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
 
 import contextlib
+import itertools
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import requests
@@ -14,6 +17,9 @@ import requests
 import serve_clef
 from test_http import (GOOD_REQUEST, SERVER_ARGS, TIMEOUT_S, args, check_error_body, loaded,  # noqa: F401 (fixtures)
                        metric_value, serve_in_thread, wait_until_ready)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from host_capacity import ModeledEnd  # noqa: E402  (the capacity bench's modeled device, whose clock is the host's)
 
 
 def server_args(*flags: str):
@@ -177,14 +183,19 @@ class HeldWait:
 
     def __call__(self, loaded, encoded_records):
         self.batches.append([record.record_id for record in encoded_records])
-        wait = self.queue_forward(loaded, encoded_records)
+        flight = self.queue_forward(loaded, encoded_records)
+        held = self
 
-        def held_wait():
-            self.waiting.release()
-            assert self.go.wait(TIMEOUT_S)
-            return wait()
+        class HeldFlight(serve_clef.ForwardInFlight):
+            def wait(self):
+                held.waiting.release()
+                assert held.go.wait(TIMEOUT_S)
+                return super().wait()
 
-        return held_wait
+            def done(self):
+                return held.go.is_set() and super().done()
+
+        return HeldFlight(flight.host_logits, flight.end_event)
 
 
 def test_what_arrives_while_a_forward_runs_joins_the_next_forward(loaded, monkeypatch):
@@ -229,16 +240,16 @@ def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_
     queue_forward = serve_clef.queue_forward
     faults = []
 
-    def faulty_queue_forward(loaded, encoded_records):
-        wait = queue_forward(loaded, encoded_records)
-        if faults:
-            return wait
-
-        def failing_wait():
-            faults.append(encoded_records[0].record_id)
+    class FaultyFlight(serve_clef.ForwardInFlight):
+        def wait(self):
+            faults.append(self.host_logits)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        return failing_wait
+    def faulty_queue_forward(loaded, encoded_records):
+        flight = queue_forward(loaded, encoded_records)
+        if faults:
+            return flight
+        return FaultyFlight(flight.host_logits, flight.end_event)
 
     with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
         wait_until_ready(base_url, limit_s=TIMEOUT_S)
@@ -246,4 +257,35 @@ def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_
         response = post(base_url, request_with_id(0))
         check_error_body(response, 500, "internal error")
         assert post(base_url, request_with_id(1)).status_code == 200
-    assert set(faults) == {"r0"} and len(faults) >= 2  # waited for before queueing, and again to answer
+    assert len(faults) >= 2  # r0's forward waited for before queueing what came next, and again to answer r0
+
+
+def test_once_forwards_have_run_the_next_one_is_queued_before_the_running_one_ends(loaded, monkeypatch):
+    """Two clients, each sending its next request once answered, on a modeled device that takes 0.2 s a forward and
+    runs one at a time: after three forwards the scorer foresees when the running forward ends, and queues the next
+    one (the other client's request) before that, so that the device need not wait for the host to queue it. Every
+    request is answered as on a device of no delay."""
+    # forwards: (when the host began to queue it, when the modeled device ends it)
+    device_s, queue_forward, forwards = 0.2, serve_clef.queue_forward, []
+
+    def modeled_queue_forward(loaded, encoded_records):
+        began = time.perf_counter()
+        flight = queue_forward(loaded, encoded_records)  # the host's work (on the CPU, the whole forward)
+        queued, device_free = time.perf_counter(), forwards[-1][1] if forwards else 0.0
+        forwards.append((began, max(queued, device_free) + device_s))
+        return serve_clef.ForwardInFlight(flight.host_logits, ModeledEnd(forwards[-1][1]))
+
+    requests_of = {client: [request_with_id(10 * client + n) for n in range(6)] for client in (1, 2)}
+    expected = [serve_clef.decide(loaded, body)["answers"] for bodies in requests_of.values() for body in bodies]
+    with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
+        wait_until_ready(base_url, limit_s=TIMEOUT_S)
+        monkeypatch.setattr(serve_clef, "queue_forward", modeled_queue_forward)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            answered = [response for client in pool.map(
+                lambda bodies: [post(base_url, body) for body in bodies], requests_of.values()) for response in client]
+    assert all(response.status_code == 200 for response in answered)
+    assert [response.json()["answers"] for response in answered] == expected  # client after client, in order
+    begun_before_the_last_ended = [began < previous_end - 0.003
+                                   for (_, previous_end), (began, _) in itertools.pairwise(forwards)]
+    assert not any(begun_before_the_last_ended[:2])  # the first forwards: no forecast yet
+    assert any(begun_before_the_last_ended[3:])
