@@ -4442,7 +4442,7 @@ class ClefService:
             clock_event, clock_host = self.device_clock
             ended = clock_host + clock_event.elapsed_time(event) / 1000
         could_start = forward.queued if self.last_ended is None else max(forward.queued, self.last_ended)
-        self.forecast.ran(forward.tokens, ended - could_start)
+        self.forecast.ran(forward.tokens, max(0.0, ended - could_start))  # 0: it ran on the host, or alone
         self.last_ended = ended
         return logits
 
