@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
+import pytest
 import requests
 
 import serve_clef
@@ -289,3 +291,21 @@ def test_once_forwards_have_run_the_next_one_is_queued_before_the_running_one_en
                                    for (_, previous_end), (began, _) in itertools.pairwise(forwards)]
     assert not any(begun_before_the_last_ended[:2])  # the first forwards: no forecast yet
     assert any(begun_before_the_last_ended[3:])
+
+
+def test_the_device_forecast_is_the_weighted_least_squares_line():
+    # the reference: numpy's least-squares fit, each forward weighted by FADE to the power of the forwards run since
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(300, 9000, size=40)
+    seconds = 0.0105 + 16.2e-6 * tokens + rng.normal(0, 0.002, size=40)
+    forecast = serve_clef.DeviceForecast()
+    assert forecast.device_seconds(500) is None
+    for count, (forward_tokens, forward_seconds) in enumerate(zip(tokens, seconds), start=1):
+        forecast.ran(int(forward_tokens), float(forward_seconds))
+        if count < 3:
+            assert forecast.device_seconds(500) is None  # too few forwards to foresee one
+            continue
+        weights = serve_clef.DeviceForecast.FADE ** np.arange(count - 1, -1, -1)
+        slope, intercept = np.polyfit(tokens[:count], seconds[:count], 1, w=np.sqrt(weights))
+        for asked in (64, 4000, 8192):
+            assert forecast.device_seconds(asked) == pytest.approx(max(0.0, intercept + slope * asked), rel=1e-6)
