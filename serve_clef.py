@@ -3712,15 +3712,15 @@ def _refuse_short_sound(media: MediaItem, seconds: float, what: str) -> None:
                        f"{MIN_AUDIO_SECONDS * 1000:.0f} ms (the audio encoder's window)")
 
 
-def _packet_seconds(stream: av.audio.stream.AudioStream, packets: Iterable[av.Packet]) -> float | None:
-    """A stream's length from its demuxed packets' durations, nothing decoded; None where a packet states none.
+def _packet_seconds(container: av.container.InputContainer, stream: av.audio.stream.AudioStream) -> float | None:
+    """A stream's length from its packets' durations, demuxed, nothing decoded; None where a packet states none.
     Decoding gives at most this much: an MP3's packets also count the encoder's delay and padding, which the decoder
     drops (10.031 s of packets for 10.000 s of sound at 44.1 kHz), and a WAV's packets are exactly its samples.
     Summed in the stream's time base and converted once (a Fraction product per packet took 1.2 ms for a 10 s WAV)."""
     if stream.time_base is None:
         return None
     duration = 0
-    for packet in packets:
+    for packet in container.demux(stream):
         if packet.size == 0:  # the demuxer's end-of-stream marker
             continue
         if not packet.duration:
@@ -3746,7 +3746,7 @@ def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) 
             if container_format != "mp3" and declared > MAX_AUDIO_SECONDS:
                 raise _invalid(media.loc, f"{media.name} lasts {declared:.1f} s by its header; at most "
                                f"{MAX_AUDIO_SECONDS} s per clip")
-            seconds = _packet_seconds(stream, container.demux(stream))
+            seconds = _packet_seconds(container, stream)
         if seconds is None or seconds > MAX_AUDIO_SECONDS:
             with av.open(io.BytesIO(data), options=AUDIO_OPEN_OPTIONS) as container:
                 seconds = _decoded_seconds(container.decode(container.streams.audio[0]), 0.0, media, "lasts")
