@@ -4290,7 +4290,8 @@ class ClefService:
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
     over the budget runs alone), and queues their forward on the device before it answers the records of the forward
     before it, so that the device runs the one while the host answers the other. When everything waiting fits in
-    one forward, it first lets the running forward finish, so that the requests that arrive meanwhile join the next.
+    one forward, it first lets the running forward nearly finish (until the host's time to queue a forward before
+    its end, as DeviceForecast foresees it), so that the requests that arrive meanwhile join the next.
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """

@@ -1,6 +1,8 @@
 """The HTTP server's scheduler: concurrent requests share forwards up to the token budget, the queue is bounded (503
 with Retry-After), a request that waits past its deadline gets 503, and the request of a client that went away is
-never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
+never scored; the next forward is queued before the last one is answered, ahead of the running one's foreseen end.
+The device is held up by a forward that waits for the test, so that queues can be built on purpose, or modeled (a
+forward of fixed device time, its end on the host's clock)."""
 
 import contextlib
 import itertools
