@@ -88,15 +88,17 @@ def main() -> int:
     args = parser.parse_args()
     kernels = {"gate_up": serve_clef.nvfp4_gate_up_fragment_kernel, "down": serve_clef.nvfp4_down_fragment_kernel}
     if args.sass:
-        stages = next(tiles.num_stages for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
-        constexprs = {"BLOCK_R": args.rows, "STAGES": stages, "WARP_GROUPS": args.warp_groups}
+        tiles = next(tiles for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
+        constexprs = {"BLOCK_R": args.rows, "STAGES": tiles.num_stages, "WARP_GROUPS": args.warp_groups,
+                      "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
         print(sass(compile_for_hopper(kernels[args.sass], constexprs, 4 * args.warp_groups)))
         return 0
     print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
     for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
         # as served for the real model's hidden size and expert width
         gate_up_groups, down_groups = serve_clef.fragment_warp_groups(tiles, 2048, 768)
-        constexprs = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages}
+        constexprs = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages,
+                      "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
         for name, groups in (("gate_up", gate_up_groups), ("down", down_groups)):
             compiled = compile_for_hopper(kernels[name], constexprs | {"WARP_GROUPS": groups}, 4 * groups)
             report = assembler_report(compiled)

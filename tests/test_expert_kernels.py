@@ -225,7 +225,7 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     monkeypatch.setattr(serve_clef, "nvfp4_gate_up_fragment_kernel", gate_up)
     monkeypatch.setattr(serve_clef, "nvfp4_down_fragment_kernel", down)
     generator = torch.Generator().manual_seed(5)
-    num_tokens = 1200  # 300 pairs per expert: the table's last row
+    num_tokens = 1200  # 300 pairs per expert: a row of 128-row tiles
     hidden_states = torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16)
     top_k_weights, top_k_index = torch.randn(num_tokens, 8, generator=generator).softmax(-1).topk(2, dim=-1)
     experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
