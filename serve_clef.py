@@ -3384,9 +3384,9 @@ def batch_compatible(encoded_records: list) -> bool:
 
 def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[torch.Tensor]], Any]:
     """Each record's option logits per question (a few values each), copied to host memory in one transfer for the
-    whole batch, queued without waiting: (the host tensors, a timing CUDA event that has passed once they hold the
-    values, or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a
-    wait per question."""
+    whole batch, queued without waiting: (the host tensors, a CUDA event that has passed once they hold the values,
+    or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a wait
+    per question."""
     questions = [question_logits for record_logits in batch_logits for question_logits in record_logits]
     if not questions:
         return batch_logits, None
@@ -3395,7 +3395,7 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
     if flat.is_cuda:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
-        copied = torch.cuda.Event(enable_timing=True)  # the scheduler reads when the forward ended from it
+        copied = torch.cuda.Event()
         copied.record()
         flat = host
     host_questions = iter(flat.split([question_logits.numel() for question_logits in questions]))
@@ -3409,25 +3409,20 @@ class ForwardInFlight:
     """A forward queue_forward queued on the device: its records' option logits, per question, once it has run."""
 
     host_logits: list  # per record, per question [n] in host memory (None: a record that did not fit the device)
-    end_event: torch.cuda.Event | None  # timed, passed once the logits are in; None: it ran on the host
+    end_event: torch.cuda.Event | None  # passed once the logits are in; None: it ran on the host
 
     def wait(self) -> list[list[torch.Tensor] | None]:
-        """Block until the forward has run; the same logits on every call (a fault of the device surfaces here, on
-        every call: CUDA keeps it)."""
+        """Block until the forward has run (an asynchronous fault of the device surfaces here, with this batch)."""
         if self.end_event is not None:
             self.end_event.synchronize()
         return self.host_logits
-
-    def done(self) -> bool:
-        """Whether the forward has run, without waiting."""
-        return self.end_event is None or self.end_event.query()
 
 
 @torch.inference_mode()
 def queue_forward(loaded: LoadedClef, encoded_records: list) -> ForwardInFlight:
     """Queue one forward of a batch of encoded records on the device, without waiting for it. The host is free in
-    between: the server queues the next batch's forward before it answers this one's records, so that the device has
-    work while the host answers.
+    between: when more is waiting than one forward takes, the server queues the next batch's forward before it
+    answers this one's records, so that the device has work while the host answers.
 
     The batch is the decision module's own collation (right-padded, media concatenated) through its own
     `ClefModel._forward_unpadded`: the thinker embeds it and the PackedTextDecoder runs it packed. When the device
@@ -4062,7 +4057,11 @@ KEEP_ALIVE_TIMEOUT_S = 5  # an idle keep-alive connection is closed after this l
 SHUTDOWN_DRAIN_S = 10  # on SIGTERM or SIGINT, requests in flight get this long to finish; then they are cancelled
 RETRY_AFTER_S = 10
 DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client is still there
-FORECAST_POLL_S = 0.001  # how often the scorer looks whether a forward it waits on ended before its forecast
+# After answering a forward's records while less than a forward's worth waits, the scorer gives their clients this
+# long to send their next requests, so that those join the next forward instead of waiting a whole forward behind it
+# (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
+# client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
+REJOIN_WAIT_S = 0.015
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -4302,45 +4301,6 @@ class DecisionJob:
             self.future.set_result(response)
 
 
-class DeviceForecast:
-    """How long the device takes to run a forward of so many tokens: a line through the forwards it ran (tokens,
-    device seconds), fitted with fading weights; and how long the host takes to queue one."""
-
-    FADE = 0.95  # a forward's weight in the fit, for each forward run since
-
-    def __init__(self):
-        self.sums = np.zeros(5)  # weight, and the weighted sums of tokens, seconds, tokens², tokens x seconds
-        self.queue_s = 0.0  # the host's time to queue a forward, a fading mean
-
-    def device_seconds(self, tokens: int) -> float | None:
-        """The foreseen device time of a forward of `tokens` tokens; None until three forwards have run."""
-        weight, tokens_sum, seconds_sum, squares_sum, products_sum = self.sums
-        if weight < 2.5:
-            return None
-        mean_tokens, mean_seconds = tokens_sum / weight, seconds_sum / weight
-        spread = squares_sum / weight - mean_tokens ** 2  # tokens², 0 while every forward had as many tokens
-        per_token = (products_sum / weight - mean_tokens * mean_seconds) / spread if spread > 1.0 else 0.0
-        return max(0.0, mean_seconds + per_token * (tokens - mean_tokens))
-
-    def ran(self, tokens: int, seconds: float) -> None:
-        self.sums = self.sums * self.FADE + np.array([1.0, tokens, seconds, tokens ** 2, tokens * seconds])
-
-    def queued_in(self, seconds: float) -> None:
-        self.queue_s = 0.8 * self.queue_s + 0.2 * seconds
-
-
-@dataclass
-class QueuedForward:
-    """A forward the scorer queued and has not answered yet."""
-
-    batch: list[DecisionJob]
-    started: float  # when the host began to queue it (perf_counter)
-    queued: float  # when the host had queued it
-    tokens: int
-    flight: ForwardInFlight
-    waited: bool = False  # the scorer has waited for it once (ClefService.wait_for)
-
-
 class ClefService:
     """What the endpoints share: the model once loaded (or why loading failed), the scheduler that answers decisions,
     and the metrics.
@@ -4349,10 +4309,10 @@ class ClefService:
     decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
     thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
     that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
-    over the budget runs alone), and queues their forward on the device before it answers the records of the forward
-    before it, so that the device runs the one while the host answers the other. When everything waiting fits in
-    one forward, it first lets the running forward nearly finish (until the host's time to queue a forward before
-    its end, as DeviceForecast foresees it), so that the requests that arrive meanwhile join the next.
+    over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
+    takes, it is queued before the records of the forward before it are answered, so that the device runs it while
+    the host answers; otherwise those records are answered first, and the requests their clients send next join it
+    (the scorer waits up to REJOIN_WAIT_S for them).
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
@@ -4366,11 +4326,6 @@ class ClefService:
         self.queue_slots = threading.BoundedSemaphore(args.max_queue)  # one per request waiting or in a forward
         self.arrived = queue.SimpleQueue()  # DecisionJob, to prepare
         self.prepared = queue.SimpleQueue()  # DecisionJob with .prepared, to score
-        self.forecast = DeviceForecast()
-        self.last_ended: float | None = None  # when the device ended the forward answered last (perf_counter)
-        # (an event a forward's end passed, the host's clock then): the device's clock read on the host's, renewed
-        # with every forward the scorer waited for
-        self.device_clock: tuple[torch.cuda.Event, float] | None = None
 
     def start(self) -> None:
         # Daemon threads, so that stopping the server during a long load does not wait for the load to finish.
@@ -4421,102 +4376,65 @@ class ClefService:
     def score_forever(self) -> None:
         self.load_in_background()
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
-        running: QueuedForward | None = None  # the forward queued last, not yet answered
-
-        def take_arrivals() -> None:
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    backlog.append(self.prepared.get_nowait())
-
+        running = None  # (batch, when its forward was queued, its ForwardInFlight): queued last, not yet answered
+        rejoin = None  # (records to wait for, until when): the clients just answered may send their next requests
         while self.loaded is not None:
             if not backlog and running is None:
                 backlog.append(self.prepared.get())
-            take_arrivals()
-            if running is not None and len(self.next_batch(backlog)) == len(backlog):
-                # Everything waiting fits in one forward: let the running forward nearly finish first (its logits
-                # wait for answer_batch), while requests go on arriving and being prepared, so that the next forward
-                # takes all that have come by the time the device is free. Queued at once, it would take only those
-                # that came first, and closed-loop clients would settle into more, smaller forwards. Nearly: the next
-                # forward is queued the host's time to queue one before the running one is foreseen to end, so that
-                # the device need not wait for the host; until three forwards have run, once it has ended.
-                seconds = self.forecast.device_seconds(running.tokens)
-                with contextlib.suppress(Exception):  # a fault of that forward: answer_batch meets it again
-                    if seconds is None or self.last_ended is None:
-                        self.wait_for(running)
-                    else:
-                        queue_at = max(running.queued, self.last_ended) + seconds - self.forecast.queue_s
-                        while time.perf_counter() < queue_at and not running.flight.done():
-                            time.sleep(min(FORECAST_POLL_S, max(0.0, queue_at - time.perf_counter())))
-                take_arrivals()
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    backlog.append(self.prepared.get_nowait())
+            while (rejoin is not None and len(backlog) < min(rejoin[0], MAX_RECORDS_PER_FORWARD)
+                   and sum(job.prepared.tokens for job in backlog) < self.args.max_batch_tokens):
+                try:
+                    backlog.append(self.prepared.get(timeout=max(0.0, rejoin[1] - time.perf_counter())))
+                except queue.Empty:  # the clients answered last did not all send again in time
+                    break
+            rejoin = None
             backlog = [job for job in backlog if self.still_wanted(job)]
-            batch = self.next_batch(backlog)
+            batch, tokens = [], 0
+            for job in backlog:
+                fits = not batch or (tokens + job.prepared.tokens <= self.args.max_batch_tokens
+                                     and len(batch) < MAX_RECORDS_PER_FORWARD)
+                if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
+                    batch.append(job)
+                    tokens += job.prepared.tokens
+            if running is not None and len(batch) == len(backlog):
+                # Everything waiting fits in one forward: answer the running one's records first, and give their
+                # clients REJOIN_WAIT_S to send their next requests, so that those join this forward rather than wait
+                # a whole forward longer.
+                self.answer_batch(*running)
+                rejoin = (len(backlog) + len(running[0]), time.perf_counter() + REJOIN_WAIT_S)
+                running = None
+                continue
             backlog = [job for job in backlog if job not in batch]
-            # The next forward is queued before the last one's records are answered: the device runs it while the
-            # host answers (and the HTTP and preparing threads, woken by the answers, take Python's lock).
+            # More is waiting than one forward takes: the next forward is queued before the last one's records are
+            # answered, and the device runs it while the host answers (and the HTTP and preparing threads, woken by
+            # the answers, take Python's lock).
             queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
-                self.answer_batch(running)
+                self.answer_batch(*running)
             running = queued
 
-    def next_batch(self, backlog: list[DecisionJob]) -> list[DecisionJob]:
-        """The jobs of the next forward: in arrival order, up to max_batch_tokens tokens (a job over the budget runs
-        alone) and MAX_RECORDS_PER_FORWARD records, skipping those that cannot share its forward."""
-        batch, tokens = [], 0
-        for job in backlog:
-            fits = not batch or (tokens + job.prepared.tokens <= self.args.max_batch_tokens
-                                 and len(batch) < MAX_RECORDS_PER_FORWARD)
-            if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
-                batch.append(job)
-                tokens += job.prepared.tokens
-        return batch
-
-    def queue_batch(self, batch: list[DecisionJob]) -> QueuedForward | None:
+    def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, ForwardInFlight] | None:
         forward_started = time.perf_counter()
         for job in batch:  # waiting time: everything before the forward that was not decoding or encoding
             job.timings["queue"] = forward_started - job.enqueued - job.timings["decode"] - job.timings["encode"]
         try:
-            flight = queue_forward(self.loaded, [job.prepared.encoded for job in batch])
+            return batch, forward_started, queue_forward(self.loaded, [job.prepared.encoded for job in batch])
         except BaseException as error:  # a fault of the forward: every request of the batch gets it (a 500)
             for job in batch:
                 job.settle(error=error)
             return None
-        queued = time.perf_counter()
-        self.forecast.queued_in(queued - forward_started)
-        return QueuedForward(batch, forward_started, queued, sum(job.prepared.tokens for job in batch), flight)
 
-    def wait_for(self, forward: QueuedForward) -> list[list[torch.Tensor] | None]:
-        """The forward's logits, once it has run. The first time, its device time goes into the forecast: from when
-        the device could start it (once queued, and once the forward before it ended) to its end, on the device's
-        clock (its end event), read on the host's: when the scorer waited for it, the end is now and renews the
-        reading; else it is read from the last one."""
-        if forward.waited:
-            return forward.flight.wait()
-        forward.waited = True
-        waiting_since = time.perf_counter()
-        logits = forward.flight.wait()
-        now, event = time.perf_counter(), forward.flight.end_event
-        if event is None:  # it ran on the host, inside queue_forward
-            ended = forward.queued
-        elif now - waiting_since > FORECAST_POLL_S / 2 or self.device_clock is None:
-            ended = now
-            self.device_clock = (event, now)
-        else:
-            clock_event, clock_host = self.device_clock
-            ended = clock_host + clock_event.elapsed_time(event) / 1000
-        could_start = forward.queued if self.last_ended is None else max(forward.queued, self.last_ended)
-        self.forecast.ran(forward.tokens, max(0.0, ended - could_start))  # 0: it ran on the host, or alone
-        self.last_ended = ended
-        return logits
-
-    def answer_batch(self, forward: QueuedForward) -> None:
-        batch = forward.batch
+    def answer_batch(self, batch: list[DecisionJob], forward_started: float, flight: ForwardInFlight) -> None:
         try:
-            batch_logits = self.wait_for(forward)
+            batch_logits = flight.wait()
         except BaseException as error:
             for job in batch:
                 job.settle(error=error)
             return
-        forward_s = time.perf_counter() - forward.started
+        forward_s = time.perf_counter() - forward_started
         self.metrics.batch_records.observe(len(batch))
         for job, logits in zip(batch, batch_logits):
             job.timings["forward"] = forward_s

@@ -49,19 +49,13 @@ LEVELS = [(1, 16), (8, 64), (16, 128), (64, 256)]  # (clients, requests in all),
 
 
 class ModeledEnd:
-    """A modeled forward's end, as its timed CUDA event would give it: the modeled device's clock is the host's."""
+    """A modeled forward's end, as the CUDA event a real forward's logits pass: waiting for it sleeps until then."""
 
     def __init__(self, at: float):
         self.at = at  # perf_counter
 
     def synchronize(self) -> None:
         time.sleep(max(0.0, self.at - time.perf_counter()))
-
-    def query(self) -> bool:
-        return time.perf_counter() >= self.at
-
-    def elapsed_time(self, later: "ModeledEnd") -> float:
-        return (later.at - self.at) * 1000  # ms, as torch.cuda.Event.elapsed_time
 
 
 def serve_modeled(args: argparse.Namespace, forwards: list) -> int:

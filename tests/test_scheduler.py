@@ -1,29 +1,19 @@
 """The HTTP server's scheduler: concurrent requests share forwards up to the token budget, the queue is bounded (503
 with Retry-After), a request that waits past its deadline gets 503, and the request of a client that went away is
-never scored; the next forward is queued before the last one is answered, ahead of the running one's foreseen end.
-The device is held up by a forward that waits for the test, so that queues can be built on purpose, or modeled (a
-forward of fixed device time, its end on the host's clock)."""
+never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
 
 import contextlib
-import itertools
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
-import numpy as np
-import pytest
 import requests
 
 import serve_clef
 from test_http import (GOOD_REQUEST, SERVER_ARGS, TIMEOUT_S, args, check_error_body, loaded,  # noqa: F401 (fixtures)
                        metric_value, serve_in_thread, wait_until_ready)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from host_capacity import ModeledEnd  # noqa: E402  (the capacity bench's modeled device, whose clock is the host's)
 
 
 def server_args(*flags: str):
@@ -154,8 +144,8 @@ def answers_recorded(monkeypatch, held):
 
 
 def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(loaded, monkeypatch):
-    """While the device runs a forward, the host answers the records of the one before it: the next forward goes to
-    the device before the last one's records are answered, at once when more is waiting than one forward takes."""
+    """While the device runs a forward, the host answers the records of the one before it: when more is waiting than
+    one forward takes, the next forward goes to the device before the last one's records are answered."""
     tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
     with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens + 2)) as (base_url, held):
         with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
@@ -170,63 +160,45 @@ def test_the_next_forward_is_queued_before_the_last_one_s_records_are_answered(l
             responses = [first.result(), *(future.result() for future in rest)]
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1"], ["r2"]]
-    # each forward's records answered once the next forward was queued (r2's: none came after it)
-    assert forwards_when_answered == {"r0": 2, "r1": 3, "r2": 3}
+    # r0 answered after r1 was queued (r2 still waiting); r1 before r2 was queued (r2 alone fits in one forward)
+    assert forwards_when_answered == {"r0": 2, "r1": 2, "r2": 3}
 
 
-class HeldWait:
-    """Stands in for the engine's queue_forward: queues the forward as it does, but the forward's wait() holds until
-    the test lets it go, as if the device were still running it; records the records of each forward."""
-
-    def __init__(self, monkeypatch):
-        self.queue_forward = serve_clef.queue_forward
-        self.batches = []
-        self.waiting = threading.Semaphore(0)  # released when the scorer starts waiting for a held forward
-        self.go = threading.Event()
-        monkeypatch.setattr(serve_clef, "queue_forward", self)
-
-    def __call__(self, loaded, encoded_records):
-        self.batches.append([record.record_id for record in encoded_records])
-        flight = self.queue_forward(loaded, encoded_records)
-        held = self
-
-        class HeldFlight(serve_clef.ForwardInFlight):
-            def wait(self):
-                held.waiting.release()
-                assert held.go.wait(TIMEOUT_S)
-                return super().wait()
-
-            def done(self):
-                return held.go.is_set() and super().done()
-
-        return HeldFlight(flight.host_logits, flight.end_event)
-
-
-def test_what_arrives_while_a_forward_runs_joins_the_next_forward(loaded, monkeypatch):
-    """When everything waiting fits in one forward, the scorer lets the running forward finish before it queues the
-    next: requests that arrive while the device runs it all join the next forward, which is queued before the
-    running one's records are answered."""
-    held = HeldWait(monkeypatch)
-    with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        held.batches.clear()  # the load's own forwards, if any
-        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=3) as pool:
+def test_what_fits_in_one_forward_waits_for_the_last_one_s_records_to_be_answered(loaded, monkeypatch):
+    """When everything waiting fits in one forward, the running forward's records are answered before the next
+    forward is queued, so that the requests their clients send next can still join it."""
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(post, base_url, request_with_id(0))
-            assert held.waiting.acquire(timeout=TIMEOUT_S)  # r0 queued; the scorer waits for the device to run it
-            rest = []
-            for number in (1, 2):
-                rest.append(pool.submit(post, base_url, request_with_id(number)))
-                wait_until_queued(base_url, number + 1)
-            time.sleep(1.0)  # r1 and r2 prepared and waiting
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            second = pool.submit(post, base_url, request_with_id(1))
+            time.sleep(1.0)  # r1 prepared and waiting
             held.go.set()
-            responses = [first.result(), *(future.result() for future in rest)]
+            responses = [first.result(), second.result()]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches == [["r0"], ["r1"]]
+    assert forwards_when_answered == {"r0": 1, "r1": 2}
+
+
+def test_the_answered_clients_next_requests_join_the_forward_that_waits_for_them(loaded, monkeypatch):
+    """After answering a forward while less than a forward's worth waits, the scorer gives the answered clients time
+    to send again: a client answered by one forward and a request that waited through it share the next forward."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)  # long enough for any machine's round trip
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            client = pool.submit(lambda: [post(base_url, request_with_id(0)), post(base_url, request_with_id(2))])
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            waiting = pool.submit(post, base_url, request_with_id(1))
+            time.sleep(1.0)  # r1 prepared and waiting
+            held.go.set()
+            responses = [*client.result(), waiting.result()]
     assert all(response.status_code == 200 for response in responses)
     assert held.batches == [["r0"], ["r1", "r2"]]
-    assert forwards_when_answered == {"r0": 2, "r1": 2, "r2": 2}
 
 
-def test_a_lone_client_s_next_request_is_scored_at_once(loaded, monkeypatch):
+def test_a_lone_client_s_next_request_does_not_wait_to_be_joined(loaded, monkeypatch):
     """With nothing else waiting, a client's next request is scored as soon as it is prepared."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
     with server_with_held_device(loaded, monkeypatch) as (base_url, held):
         held.go.set()
         assert post(base_url, request_with_id(0)).status_code == 200
@@ -236,11 +208,29 @@ def test_a_lone_client_s_next_request_is_scored_at_once(loaded, monkeypatch):
     assert held.batches == [["r0"], ["r1"]]
 
 
+def test_a_forward_s_worth_waiting_is_not_held_for_the_answered_clients(loaded, monkeypatch):
+    """The wait for the answered clients ends as soon as a forward's worth of tokens waits: r1, alone a whole
+    forward under this budget, goes to the device as soon as r0 is answered."""
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", TIMEOUT_S / 4)
+    tokens = len(serve_clef.prepare(loaded, request_with_id(1), 2048).encoded.input_ids)
+    with server_with_held_device(loaded, monkeypatch, "--max-batch-tokens", str(tokens)) as (base_url, held):
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            first = pool.submit(post, base_url, request_with_id(0))
+            assert held.started.acquire(timeout=TIMEOUT_S)  # r0's forward holds the device
+            waiting = pool.submit(post, base_url, request_with_id(1))
+            wait_until_queued(base_url, 2)
+            time.sleep(1.0)  # r1 prepared and waiting
+            released = time.perf_counter()
+            held.go.set()
+            assert waiting.result().status_code == 200 and first.result().status_code == 200
+            assert time.perf_counter() - released < TIMEOUT_S / 8
+    assert held.batches == [["r0"], ["r1"]]
+
+
 def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_the_scorer_goes_on(
         loaded, monkeypatch):
-    """A fault of the device surfaces when the host waits for the forward (CUDA reports asynchronous faults there,
-    and again on every later wait). The scorer waits for a running forward before queueing what fits in one, and
-    again to answer it: the forward's requests get 500, and the next request is served."""
+    """A fault of the device surfaces when the host waits for the forward (CUDA reports asynchronous faults there):
+    the forward's requests get 500, and the next request is served."""
     queue_forward = serve_clef.queue_forward
     faults = []
 
@@ -261,53 +251,4 @@ def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_
         response = post(base_url, request_with_id(0))
         check_error_body(response, 500, "internal error")
         assert post(base_url, request_with_id(1)).status_code == 200
-    assert len(faults) >= 2  # r0's forward waited for before queueing what came next, and again to answer r0
-
-
-def test_once_forwards_have_run_the_next_one_is_queued_before_the_running_one_ends(loaded, monkeypatch):
-    """Two clients, each sending its next request once answered, on a modeled device that takes 0.2 s a forward and
-    runs one at a time: after three forwards the scorer foresees when the running forward ends, and queues the next
-    one (the other client's request) before that, so that the device need not wait for the host to queue it. Every
-    request is answered as on a device of no delay."""
-    # forwards: (when the host began to queue it, when the modeled device ends it)
-    device_s, queue_forward, forwards = 0.2, serve_clef.queue_forward, []
-
-    def modeled_queue_forward(loaded, encoded_records):
-        began = time.perf_counter()
-        flight = queue_forward(loaded, encoded_records)  # the host's work (on the CPU, the whole forward)
-        queued, device_free = time.perf_counter(), forwards[-1][1] if forwards else 0.0
-        forwards.append((began, max(queued, device_free) + device_s))
-        return serve_clef.ForwardInFlight(flight.host_logits, ModeledEnd(forwards[-1][1]))
-
-    requests_of = {client: [request_with_id(10 * client + n) for n in range(6)] for client in (1, 2)}
-    expected = [serve_clef.decide(loaded, body)["answers"] for bodies in requests_of.values() for body in bodies]
-    with serve_in_thread(serve_clef.create_app(server_args(), load=lambda args, progress: loaded)) as base_url:
-        wait_until_ready(base_url, limit_s=TIMEOUT_S)
-        monkeypatch.setattr(serve_clef, "queue_forward", modeled_queue_forward)
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            answered = [response for client in pool.map(
-                lambda bodies: [post(base_url, body) for body in bodies], requests_of.values()) for response in client]
-    assert all(response.status_code == 200 for response in answered)
-    assert [response.json()["answers"] for response in answered] == expected  # client after client, in order
-    begun_before_the_last_ended = [began < previous_end - 0.003
-                                   for (_, previous_end), (began, _) in itertools.pairwise(forwards)]
-    assert not any(begun_before_the_last_ended[:2])  # the first forwards: no forecast yet
-    assert any(begun_before_the_last_ended[3:])
-
-
-def test_the_device_forecast_is_the_weighted_least_squares_line():
-    # the reference: numpy's least-squares fit, each forward weighted by FADE to the power of the forwards run since
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(300, 9000, size=40)
-    seconds = 0.0105 + 16.2e-6 * tokens + rng.normal(0, 0.002, size=40)
-    forecast = serve_clef.DeviceForecast()
-    assert forecast.device_seconds(500) is None
-    for count, (forward_tokens, forward_seconds) in enumerate(zip(tokens, seconds), start=1):
-        forecast.ran(int(forward_tokens), float(forward_seconds))
-        if count < 3:
-            assert forecast.device_seconds(500) is None  # too few forwards to foresee one
-            continue
-        weights = serve_clef.DeviceForecast.FADE ** np.arange(count - 1, -1, -1)
-        slope, intercept = np.polyfit(tokens[:count], seconds[:count], 1, w=np.sqrt(weights))
-        for asked in (64, 4000, 8192):
-            assert forecast.device_seconds(asked) == pytest.approx(max(0.0, intercept + slope * asked), rel=1e-6)
+    assert len(faults) == 1  # r0's forward, waited for to answer it
