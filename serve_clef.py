@@ -833,7 +833,7 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
 # (`git show 88e392d:serve_clef.py` has the two-slab form); more warp groups gained nothing there. Where one row gives
 # way to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 # smallest_rows: a tile at most half or a quarter full multiplies only its first R/2 or R/4 slots (R/4 from R = 64
-# on). One layer, the same run and GPU (2026-12-05): 4-8% faster from 64 to 6,144 tokens (512: 0.244 against 0.258
+# on). One layer, the same run and GPU (2026-12-05): 4-7% faster from 64 to 6,144 tokens (512: 0.244 against 0.258
 # ms), 3.6% slower at 8,192 (1.907 against 1.840 ms), so rows past 384 pairs per expert multiply whole tiles.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=16)),
