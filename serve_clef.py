@@ -1126,9 +1126,10 @@ def nvfp4_gate_up_fragment_kernel(
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                 intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
+        # the products' cost grows with their N: a tile multiplies the fewest of its first slots that hold its pairs
         if SMALLEST_ROWS == BLOCK_R:
             _gate_up_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
-        else:  # the products' cost grows with their N: a tile multiplies the fewest of its first slots that hold its pairs
+        else:
             filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R, WARP_GROUPS)
             if filled * 2 > BLOCK_R:
                 _gate_up_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
