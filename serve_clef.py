@@ -1075,6 +1075,26 @@ def _tile_pairs(slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, WARP_GROUPS: gl.con
 
 
 @gluon.jit
+def _run_tile(tile_work: gl.constexpr, args, slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+              WARP_GROUPS: gl.constexpr, SMALLEST_ROWS: gl.constexpr):
+    """tile_work(*args, BLOCK_R, N, STAGES, WARP_GROUPS) on the fewest first slots of routed tile `tile` that hold
+    its pairs, N = BLOCK_R, BLOCK_R/2 or BLOCK_R/4, down to SMALLEST_ROWS: the products' cost grows with their N.
+    Gate_up and down count the same pairs, so down reads exactly the slots gate_up wrote."""
+    if SMALLEST_ROWS == BLOCK_R:
+        tile_work(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
+    else:
+        filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R, WARP_GROUPS)
+        if filled * 2 > BLOCK_R:
+            tile_work(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
+        elif SMALLEST_ROWS == BLOCK_R // 2:
+            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
+        elif filled * 4 > BLOCK_R:
+            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
+        else:
+            tile_work(*args, BLOCK_R, BLOCK_R // 4, STAGES, WARP_GROUPS)
+
+
+@gluon.jit
 def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                   intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row,
                   TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr, WARP_GROUPS: gl.constexpr):
@@ -1126,19 +1146,7 @@ def nvfp4_gate_up_fragment_kernel(
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                 intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
-        # the products' cost grows with their N: a tile multiplies the fewest of its first slots that hold its pairs
-        if SMALLEST_ROWS == BLOCK_R:
-            _gate_up_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
-        else:
-            filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R, WARP_GROUPS)
-            if filled * 2 > BLOCK_R:
-                _gate_up_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
-            elif SMALLEST_ROWS == BLOCK_R // 2:
-                _gate_up_tile(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
-            elif filled * 4 > BLOCK_R:
-                _gate_up_tile(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
-            else:
-                _gate_up_tile(*args, BLOCK_R, BLOCK_R // 4, STAGES, WARP_GROUPS)
+        _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, WARP_GROUPS, SMALLEST_ROWS)
 
 
 @gluon.jit
@@ -1197,18 +1205,7 @@ def nvfp4_down_fragment_kernel(
     if expert < num_experts:
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
                 global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
-        if SMALLEST_ROWS == BLOCK_R:
-            _down_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
-        else:
-            filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R, WARP_GROUPS)
-            if filled * 2 > BLOCK_R:
-                _down_tile(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
-            elif SMALLEST_ROWS == BLOCK_R // 2:
-                _down_tile(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
-            elif filled * 4 > BLOCK_R:
-                _down_tile(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
-            else:
-                _down_tile(*args, BLOCK_R, BLOCK_R // 4, STAGES, WARP_GROUPS)
+        _run_tile(_down_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, WARP_GROUPS, SMALLEST_ROWS)
 
 
 # ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
