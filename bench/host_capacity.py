@@ -19,7 +19,7 @@ host and the device times are the host's.
 
 The clients are bench/load_http.py's plain levels (1, 8, 16 and 64 clients, distinct ~512-token requests). Reported
 per level: tokens/s, records per forward, p50 latency, and the share of the time the (modeled or real) device was
-busy; real forwards add the medians of their stages.
+busy; real forwards add the medians of their stages, and the JSON each forward's.
 
 Usage: python3 bench/host_capacity.py [--host-ms 0,10] [--base-ms 10.5] [--per-token-us 16.2]
        python3 bench/host_capacity.py --real synthetic:full   (writes $OUT/host_capacity.json when OUT is set)
@@ -181,6 +181,16 @@ def level_forwards(forwards: list, since: float, until: float) -> dict:
             "device: idle since the forward before": median_ms(
                 [now["device_reached"] - before["device_ended"] for before, now in itertools.pairwise(real)]),
         }
+        # each forward's stages (ms; `at`: when the host entered it, from the level's start), for the JSON only
+        summary["forwards"] = [{
+            "records": f["records"], "tokens": f["tokens"], "at": round((f["entered"] - since) * 1000, 1),
+            "device idle before": round((f["device_reached"] - before["device_ended"]) * 1000, 1) if before else None,
+            "host to the decoder": round((f["host_at_decoder"] - f["entered"]) * 1000, 1),
+            "host to queued": round((f["queued"] - f["entered"]) * 1000, 1),
+            "device to the decoder": round((f["device_decoder_started"] - f["device_reached"]) * 1000, 1),
+            "decoder": round((f["device_decoder_ended"] - f["device_decoder_started"]) * 1000, 1),
+            "after the decoder": round((f["device_ended"] - f["device_decoder_ended"]) * 1000, 1),
+        } for before, f in zip([None, *real], real)]
     return summary
 
 
@@ -244,7 +254,8 @@ def main() -> int:
         results[name] = measure(server_flags, bodies)
         for row in results[name]:
             failures += row["lost"] > 0
-            print(json.dumps({"variant": name, **row}), flush=True)
+            print(json.dumps({"variant": name, **{key: value for key, value in row.items() if key != "forwards"}}),
+                  flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "host_capacity.json").write_text(json.dumps(results, indent=2))
     return 1 if failures else 0
