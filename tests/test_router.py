@@ -75,3 +75,23 @@ def test_fused_router_chooses_as_transformers_router():
     no_tie_at_the_cut = ordered[:, 7] != ordered[:, 8]  # [T]
     assert no_tie_at_the_cut.sum() > 250
     assert torch.equal(fused_dense[no_tie_at_the_cut], dense[no_tie_at_the_cut])
+
+
+def test_fused_router_compiles_into_one_graph_for_any_length():
+    """In the compiled decoder layers the fused router is one opaque op: no graph break, one graph for every token
+    count (dynamic shapes), and the compiled outputs are the eager ones."""
+    config = types.SimpleNamespace(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=32)
+    router = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextTopKRouter(config)
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(2))
+    fused = serve_clef.FusedTopKRouter(router.to(torch.bfloat16))
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
+    compiled = torch.compile(fused, dynamic=True)
+    with torch.inference_mode():
+        for num_tokens in (33, 70, 5):
+            hidden_states = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(num_tokens))
+            hidden_states = hidden_states.to(torch.bfloat16)
+            for got, expected in zip(compiled(hidden_states), fused(hidden_states)):
+                assert torch.equal(got, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks_before
