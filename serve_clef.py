@@ -589,6 +589,74 @@ def nvfp4_down_kernel(
              _round_to_bf16(out * routing_weights[:, None]), mask=(pairs >= 0)[:, None])
 
 
+# The router's choice, in one launch. transformers computes it as the router's softmax in fp32, torch.topk (two
+# kernels on CUDA: a selection and a sort of the K chosen), the chosen probabilities' renormalisation and the cast
+# back to BF16, which Inductor cannot fuse around torch.topk (about 0.9 ms of a 517-token forward's GPU work on an
+# H200, 3.3 ms of a 16-record one). The kernel reads each token's E logits once and does all of it in registers:
+# K rounds of "the largest probability left, the lowest expert among equal ones".
+ROUTER_TOKENS = 32  # tokens a program
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def route_top_k_kernel(
+    router_logits_ptr,  # BF16 [T, E] the router's logits
+    top_k_weights_ptr,  # BF16 [T, K] out: the chosen experts' probabilities, renormalised to sum 1 if NORMALIZE
+    top_k_index_ptr,  # int64 [T, K] out: the chosen experts, the most probable first
+    num_tokens, num_experts,
+    EXPERTS: tl.constexpr, PICKS: tl.constexpr,  # num_experts and TOP_K rounded up to powers of two
+    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    experts = tl.arange(0, EXPERTS)
+    picks = tl.arange(0, PICKS)
+    token_in_range = tokens[:, None] < num_tokens
+    real_expert = (experts < num_experts)[None, :]
+    logits = tl.load(router_logits_ptr + tokens[:, None] * num_experts + experts[None, :],
+                     mask=token_in_range & real_expert, other=0.0).to(tl.float32)  # [BT, E]
+    logits = tl.where(real_expert, logits, float("-inf"))
+    exponentials = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probabilities = exponentials / tl.sum(exponentials, axis=1)[:, None]  # [BT, E], as softmax(dtype=float)
+    probabilities = tl.where(real_expert, probabilities, -1.0)  # below any probability: never chosen
+    chosen = tl.zeros((BLOCK_T, PICKS), dtype=tl.float32)  # zero past TOP_K
+    chosen_experts = tl.zeros((BLOCK_T, PICKS), dtype=tl.int64)
+    for pick in tl.static_range(TOP_K):
+        largest = tl.max(probabilities, axis=1)  # [BT]
+        expert = tl.min(tl.where(probabilities == largest[:, None], experts[None, :], EXPERTS), axis=1)  # [BT]
+        chosen = tl.where(picks[None, :] == pick, largest[:, None], chosen)
+        chosen_experts = tl.where(picks[None, :] == pick, expert[:, None].to(tl.int64), chosen_experts)
+        probabilities = tl.where(experts[None, :] == expert[:, None], -1.0, probabilities)
+    if NORMALIZE:
+        chosen = chosen / tl.sum(chosen, axis=1)[:, None]
+    outputs = tokens[:, None] * TOP_K + picks[None, :]  # [BT, K]
+    stored = token_in_range & (picks < TOP_K)[None, :]
+    tl.store(top_k_weights_ptr + outputs, _round_to_bf16(chosen), mask=stored)
+    tl.store(top_k_index_ptr + outputs, chosen_experts, mask=stored)
+
+
+# A custom op, so that torch.compile calls it as one opaque operation inside the compiled decoder layers (no graph
+# break) and never traces the launch itself, which it cannot under Triton's interpreter.
+@torch.library.custom_op("serve_clef::route_top_k", mutates_args=())
+def route_top_k(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits BF16 [T, E] -> (top_k_weights BF16 [T, K], top_k_index int64 [T, K]): what transformers'
+    Qwen3-Omni router computes from its logits, in one launch (route_top_k_kernel)."""
+    num_tokens, num_experts = router_logits.shape
+    top_k_weights, top_k_index = route_top_k_outputs(router_logits, top_k, normalize)
+    route_top_k_kernel[(triton.cdiv(num_tokens, ROUTER_TOKENS),)](
+        router_logits.contiguous(), top_k_weights, top_k_index, num_tokens, num_experts,
+        EXPERTS=triton.next_power_of_2(num_experts), PICKS=triton.next_power_of_2(top_k), TOP_K=top_k,
+        NORMALIZE=normalize, BLOCK_T=ROUTER_TOKENS, num_warps=4,
+    )
+    return top_k_weights, top_k_index
+
+
+@route_top_k.register_fake
+def route_top_k_outputs(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_top_k's outputs, empty: what torch.compile needs to know of them (shapes, dtypes, device)."""
+    num_tokens = router_logits.shape[0]
+    return (router_logits.new_empty(num_tokens, top_k),  # [T, K]
+            router_logits.new_empty(num_tokens, top_k, dtype=torch.int64))  # [T, K]
+
+
 # Routing: a counting sort in two launches whose grids depend on T alone. The first counts, for every block of
 # pairs, the pairs of each expert; the second reads those counts back and places each block's pairs (its first
 # programs) or fills the tiles' experts and padding slots (the rest). No program reads what another program of its
@@ -2874,10 +2942,14 @@ class PackedTextDecoder(torch.nn.Module):
     def compile_layers(self) -> None:
         """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
         bucket and the eager batches). Inductor fuses what transformers runs as many small kernels: the RMSNorms, the
-        q/k norms and rotary embedding, the router's softmax, top-k and renormalisation, the residual adds. The packed
-        experts' own kernels stay outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first
-        forward, which `capture_graphs` runs before capturing."""
+        q/k norms and rotary embedding, the residual adds. The router's softmax, top-k and renormalisation, which it
+        cannot fuse around torch.topk, become one kernel (FusedTopKRouter). The packed experts' own kernels stay
+        outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first forward, which
+        `capture_graphs` runs before capturing."""
         for layer in self.decoder.layers:
+            router = getattr(layer.mlp, "gate", None)
+            if type(router).__name__ == "Qwen3OmniMoeThinkerTextTopKRouter" and router.weight.is_cuda:
+                layer.mlp.gate = FusedTopKRouter(router)  # on CUDA, where its ties fall as torch.topk's do
             # Inductor keeps fused intermediates in fp32 unless told to round them where eager BF16 rounds them:
             # emulate eager, so the compiled layers compute what the checkpoint was calibrated and evaluated with
             layer.compile(dynamic=True, options={"emulate_precision_casts": True})
@@ -2924,6 +2996,23 @@ class PackedTextDecoder(torch.nn.Module):
         progress(f"text decoder compiled and captured in CUDA graphs for {len(self.buckets)} lengths up to "
                  f"{self.buckets[-1]} tokens, and the towers' layers in {captured_tower_layers}, in "
                  f"{time.perf_counter() - start:.1f} s")
+
+
+class FusedTopKRouter(torch.nn.Module):
+    """Stands in for transformers' Qwen3-Omni text router (Qwen3OmniMoeThinkerTextTopKRouter) in the compiled decoder
+    layers, with its forward signature, its weight (the same parameter) and its maths: the same linear gives the
+    logits, then the softmax, top-k and renormalisation run in one launch (route_top_k). Among equal probabilities
+    the lower expert is chosen, as torch.topk chooses on CUDA."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.router = router  # transformers' own: its weight [E, H], top_k and norm_topk_prob
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # hidden_states [T, H] -> router_logits [T, E], top_k_weights [T, K], top_k_index [T, K]
+        router = self.router
+        router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
+        return router_logits, *route_top_k(router_logits, router.top_k, router.norm_topk_prob)
 
 
 class HostEmbedding(torch.nn.Module):

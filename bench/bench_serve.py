@@ -147,9 +147,15 @@ def milliseconds(run, repeats: int) -> list[float]:
 
 def swap_text_decoder(loaded, graphed: bool) -> None:
     """Put the engine's PackedTextDecoder in place (graphed) or transformers' own decoder it wraps, with its own
-    attention and its layers run eagerly, not compiled (not graphed): the path before the engine."""
+    attention and router and its layers run eagerly, not compiled (not graphed): the path before the engine."""
     torch.compiler.set_stance("default" if graphed else "force_eager")
     thinker = loaded.model.thinker
+    fused_routers = [(module.mlp, module.mlp.gate) for module in thinker.modules()
+                     if isinstance(getattr(getattr(module, "mlp", None), "gate", None), serve_clef.FusedTopKRouter)]
+    if fused_routers:  # transformers' own router in each layer, in place of the engine's fused one
+        loaded.fused_routers = fused_routers
+    for mlp, fused_router in getattr(loaded, "fused_routers", []):
+        mlp.gate = fused_router if graphed else fused_router.router  # the same modules, so nothing recompiles
     for name, module in list(thinker.named_modules()):
         if isinstance(module, serve_clef.PackedTextDecoder) or type(module).__name__ == "Qwen3OmniMoeThinkerTextModel":
             parent_name, _, attribute = name.rpartition(".")

@@ -14,7 +14,9 @@ All of them score with the batched joint head, which the load checked against th
 
 Gates (exit status 1 when one fails): engine alone vs transformers' decoder, the batch vs each record alone and the
 towers' two attentions, at most twice the floor plus 0.005; the same request and the same batch bit-identical run
-after run; a text batch queued while the device runs another waits for nothing on the device.
+after run; a text batch queued while the device runs another waits for nothing on the device; every decoder layer
+routing with the fused router, which chooses the same experts with the same weights as transformers' router on
+this GPU (equal probabilities included).
 
 Usage: python3 bench/check_engine_gpu.py [server flags, e.g. --expert-kernels triton]
        (writes $OUT/check_engine_gpu.json when OUT is set)
@@ -27,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -59,6 +62,52 @@ def towers_own_layers(loaded):
         for layers, steps in swapped:
             for index, step in enumerate(steps):
                 layers[index] = step
+
+
+def compare_routers(router: torch.nn.Module) -> list[dict]:
+    """The fused router (serve_clef.route_top_k) against transformers' router (its own forward: softmax, torch.topk,
+    renormalisation) on this GPU: for random hidden states of 517 and 8,192 tokens, and for logits made coarse so that
+    many are equal, the tokens whose chosen experts or weights differ (the K chosen compared as a set), the tokens
+    with equal K-th and next probabilities, and the GPU time of each (CUDA events, median of 50)."""
+    fused = serve_clef.FusedTopKRouter(router)
+    rows = []
+    for num_tokens, coarse in ((517, False), (8192, False), (8192, True)):
+        hidden_states = torch.randn(num_tokens, router.hidden_dim, device="cuda", dtype=torch.bfloat16)
+        if coarse:  # transformers' router from given logits: its weight made the identity on the first E columns
+            router = type(router)(router_config(router)).to(device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                router.weight.zero_().diagonal().fill_(1.0)
+            hidden_states = (hidden_states * 4).round() / 4  # logits on a grid of 0.25: many equal
+            fused = serve_clef.FusedTopKRouter(router)
+        with torch.no_grad():
+            logits, weights, experts = router(hidden_states)
+            fused_logits, fused_weights, fused_experts = fused(hidden_states)
+        dense = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, experts, weights.float())
+        fused_dense = torch.zeros_like(dense).scatter_(1, fused_experts, fused_weights.float())
+        ordered = logits.float().softmax(dim=-1).sort(dim=-1, descending=True).values
+        timings = {}
+        for name, function in (("transformers' router", router), ("fused router", fused)):
+            times = []
+            for _ in range(50):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                with torch.no_grad():
+                    function(hidden_states)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            timings[f"{name} ms"] = round(statistics.median(times), 4)
+        rows.append({"tokens": num_tokens, "coarse logits": coarse, "logits equal": torch.equal(fused_logits, logits),
+                     "tokens choosing otherwise": int((fused_dense != dense).any(dim=1).sum()),
+                     "tokens with equal K-th and next probabilities":
+                         int((ordered[:, router.top_k - 1] == ordered[:, router.top_k]).sum()), **timings})
+        print(f"router, {rows[-1]}", flush=True)
+    return rows
+
+
+def router_config(router: torch.nn.Module):
+    return types.SimpleNamespace(num_experts=router.num_experts, num_experts_per_tok=router.top_k,
+                                 norm_topk_prob=router.norm_topk_prob, hidden_size=router.hidden_dim)
 
 
 def largest_difference(answers_a: list[dict], answers_b: list[dict]) -> float:
@@ -160,6 +209,12 @@ def main() -> int:
         and torch.equal(embedding(token_ids), embedding.weight.to("cuda")[token_ids])
     )
     decoder = next(module for module in loaded.model.modules() if isinstance(module, serve_clef.PackedTextDecoder))
+    routers = [layer.mlp.gate for layer in decoder.decoder.layers]
+    checks["every decoder layer routes with the fused router"] = all(
+        isinstance(router, serve_clef.FusedTopKRouter) for router in routers)
+    results["router"] = compare_routers(routers[0].router)
+    checks["the fused router chooses as transformers' router on CUDA, equal probabilities included"] = all(
+        row["tokens choosing otherwise"] == 0 for row in results["router"])
     tower_graphs = [len(graphs.graphs) for graphs in decoder.tower_graphs]  # vision, audio
     results["tower_graphs"] = tower_graphs
     checks["the vision and audio towers' layers captured in CUDA graphs at load"] = (
