@@ -665,33 +665,57 @@ def route_top_k_outputs(router_logits: torch.Tensor, top_k: int, normalize: bool
 # specialised on (as Triton would on 1 and multiples of 16), so no token count compiles anew after the warm-up.
 # Every program sums the counts of all blocks, so more blocks cost more than they spread: on an H200 chunks of 64
 # pairs routed 512 tokens in 15.7 us against 28.9 us with chunks of 32, and 8,192 tokens in 56 us against 68 us.
+# In the engine's packed decoder a forward runs a whole bucket, the real tokens first and padding after them. Its
+# pairs are routed nowhere (the counting launch writes zeros for their outputs), so the padding costs the experts
+# nothing: a padding token's hidden state is the zeros it starts from, or, in a one-record batch, whatever causal
+# attention over the record makes of it, and either way it would take tiles (a 517-token record in the 576-token
+# bucket: 17% more slot rows, 2,050 tokens in the 2,176 bucket: 18% more tiles, in simulations of random routings).
 ROUTING_MOST_BLOCKS = 128  # blocks of pairs: about one counting program per SM of an H200
 ROUTING_CHUNK = 64  # pairs compared at once
 ROUTING_TILES = 16  # tiles per tile-filling program
 ROUTING_COUNT_ROWS = 32  # rows of block_counts read at once
+ROUTING_ZERO_STEP = 256  # hidden columns zeroed at once in the outputs of padding pairs
 
 
-@triton.jit(do_not_specialize=["num_pairs", "block_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "block_pairs", "hidden"])
 def count_pairs_per_expert_kernel(
     expert_of_pair_ptr,  # int [S]: top_k_index flattened, pair token * K + k
+    real_tokens_ptr,  # int32 [1]: the tokens before the padding (read when PADDED)
+    routed_expert_ptr,  # int32 [S]: out, each pair's expert, -1 for a padding token's pair (routed nowhere)
+    pair_outputs_ptr,  # [S, H]: out, zeros in the rows of the padding pairs (the down kernel writes the others)
     block_counts_ptr,  # int32 [B, EXPERTS]: out, how many pairs of each block go to each expert
-    num_pairs, block_pairs,  # block_pairs: pairs per block, a multiple of CHUNK
+    num_pairs, block_pairs, hidden,  # block_pairs: pairs per block, a multiple of CHUNK
     EXPERTS: tl.constexpr,  # the number of experts rounded up to a power of two
     CHUNK: tl.constexpr,
+    TOP_K: tl.constexpr,
+    PADDED: tl.constexpr,  # whether real_tokens_ptr is given
+    STEP: tl.constexpr,  # hidden columns zeroed at once
 ):
     block = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
+    real_pairs = num_pairs
+    if PADDED:
+        real_pairs = tl.minimum(tl.load(real_tokens_ptr) * TOP_K, num_pairs)
     one_hot_sums = tl.zeros((CHUNK, EXPERTS), dtype=tl.int32)  # reduced once, after the loop
     for c0 in range(0, block_pairs, CHUNK):
         pairs = block * block_pairs + c0 + tl.arange(0, CHUNK)  # [C]
-        pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < num_pairs, other=-1)  # -1 matches no expert
+        # -1 matches no expert: past the last pair, and for the padding's pairs
+        pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < real_pairs, other=-1).to(tl.int32)
+        tl.store(routed_expert_ptr + pairs, pair_experts, mask=pairs < num_pairs)
+        padding = (pairs >= real_pairs) & (pairs < num_pairs)
+        if tl.max(padding.to(tl.int32), axis=0) > 0:
+            columns = tl.arange(0, STEP)
+            for h0 in range(0, hidden, STEP):
+                tl.store(pair_outputs_ptr + pairs.to(tl.int64)[:, None] * hidden + h0 + columns[None, :],
+                         tl.zeros((CHUNK, STEP), dtype=pair_outputs_ptr.dtype.element_ty),
+                         mask=padding[:, None] & (h0 + columns < hidden)[None, :])
         one_hot_sums += (pair_experts[:, None] == experts[None, :]).to(tl.int32)  # [C, E]
     tl.store(block_counts_ptr + block * EXPERTS + experts, tl.sum(one_hot_sums, axis=0))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "block_pairs", "num_blocks", "max_tiles"])
 def place_pairs_in_row_tiles_kernel(
-    expert_of_pair_ptr, block_counts_ptr, num_pairs, block_pairs,  # as for count_pairs_per_expert_kernel
+    routed_expert_ptr, block_counts_ptr, num_pairs, block_pairs,  # as count_pairs_per_expert_kernel wrote them
     slot_pairs_ptr,  # int32 [P]: out, the pair in each slot, -1 in padding
     tile_experts_ptr,  # int32 [P / BLOCK_R]: out, the expert of each tile, num_experts past the last
     num_blocks, num_experts, max_tiles,
@@ -720,13 +744,13 @@ def place_pairs_in_row_tiles_kernel(
         in_chunk = tl.arange(0, CHUNK)
         for c0 in range(0, block_pairs, CHUNK):
             pairs = program * block_pairs + c0 + in_chunk  # [C]
-            pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < num_pairs, other=-1)
+            pair_experts = tl.load(routed_expert_ptr + pairs, mask=pairs < num_pairs, other=-1)
             one_hot = pair_experts[:, None] == experts[None, :]  # [C, E]
             earlier = in_chunk[None, :] < in_chunk[:, None]  # [C, C]
             same_expert_before = (pair_experts[:, None] == pair_experts[None, :]) & earlier
             slots = (tl.sum(tl.where(one_hot, next_slots[None, :], 0), axis=1)
                      + tl.sum(same_expert_before.to(tl.int32), axis=1))  # [C]
-            tl.store(slot_pairs_ptr + slots, pairs, mask=pairs < num_pairs)
+            tl.store(slot_pairs_ptr + slots, pairs, mask=pair_experts >= 0)  # -1: past the end, or routed nowhere
             next_slots += tl.sum(one_hot.to(tl.int32), axis=0)
     else:
         # A tile's expert is the number of experts whose tiles end at or before it (num_experts past the last tile);
@@ -744,32 +768,40 @@ def place_pairs_in_row_tiles_kernel(
                  mask=in_grid[:, None] & (rows[None, :] >= filled[:, None]))
 
 
-def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
+def route_to_row_tiles(top_k_index: torch.Tensor, pair_outputs: torch.Tensor, num_experts: int, block_rows: int,
+                       real_tokens: torch.Tensor | None = None):
     """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
 
-    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
-    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
-    the most any routing can need, so the launch grid depends on T alone. Each expert's pairs keep their order, as
-    a stable sort by expert would leave them.
+    top_k_index [T, K], pair_outputs [S, H] (the down kernel's output) -> slot_pairs int32 [P] (the pair token * K + k
+    in each slot, -1 in padding) and tile_experts int32 [P / block_rows] (the expert of each tile; num_experts for the
+    tiles past the last, which do nothing). P is the most any routing can need, so the launch grid depends on T
+    alone. Each expert's pairs keep their order, as a stable sort by expert would leave them. real_tokens (int32 [1]
+    on the device, or None: every token is real): the tokens past it are the engine's padding, whose pairs take no
+    slot and whose rows of pair_outputs are written with zeros.
 
     A counting sort in two launches (the comment above ROUTING_MOST_BLOCKS): per-block counts of each expert's
     pairs, then from their sums each expert's first tile and each pair's rank among its expert's pairs, which give
     its slot.
     """
     expert_of_pair = top_k_index.reshape(-1)  # [S]
-    num_pairs = expert_of_pair.numel()
+    num_pairs, hidden = expert_of_pair.numel(), pair_outputs.shape[1]
     max_tiles = -(-num_pairs // block_rows) + min(num_experts, num_pairs)
     padded_experts = triton.next_power_of_2(num_experts)
     # the fewest chunks per block that keep to ROUTING_MOST_BLOCKS blocks; a runtime argument, so no recompile per T
     block_pairs = ROUTING_CHUNK * max(1, triton.cdiv(num_pairs, ROUTING_MOST_BLOCKS * ROUTING_CHUNK))
     num_blocks = triton.cdiv(num_pairs, block_pairs)
+    routed_expert = expert_of_pair.new_empty(num_pairs, dtype=torch.int32)  # [S]
     block_counts = expert_of_pair.new_empty(num_blocks, padded_experts, dtype=torch.int32)  # [B, E padded]
     slot_pairs = expert_of_pair.new_empty(max_tiles * block_rows, dtype=torch.int32)  # [P]
     tile_experts = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
     common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=8)
-    count_pairs_per_expert_kernel[(num_blocks,)](expert_of_pair, block_counts, num_pairs, block_pairs, **common)
+    count_pairs_per_expert_kernel[(num_blocks,)](
+        expert_of_pair, expert_of_pair if real_tokens is None else real_tokens, routed_expert, pair_outputs,
+        block_counts, num_pairs, block_pairs, hidden, TOP_K=top_k_index.shape[1], PADDED=real_tokens is not None,
+        STEP=min(ROUTING_ZERO_STEP, triton.next_power_of_2(hidden)), **common,
+    )
     place_pairs_in_row_tiles_kernel[(num_blocks + triton.cdiv(max_tiles, ROUTING_TILES),)](
-        expert_of_pair, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, num_blocks, num_experts,
+        routed_expert, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, num_blocks, num_experts,
         max_tiles, BLOCK_R=block_rows, COUNT_ROWS=ROUTING_COUNT_ROWS, TILES=ROUTING_TILES, **common,
     )
     return slot_pairs, tile_experts
@@ -1436,6 +1468,9 @@ class PackedNVFP4Experts(torch.nn.Module):
         self.simulate_fp4_activations = False
         self.kernels = "unpack"
         self.top_k = text_config.num_experts_per_tok
+        # int32 [1] on the device while the engine's packed decoder runs a padded bucket: its tokens before the
+        # padding, whose pairs the packed kernels' routing skips (PackedTextDecoder.run_padded); None otherwise
+        self.real_tokens = None
         uint8, e4m3, fp32 = torch.uint8, torch.float8_e4m3fn, torch.float32
         # gate rows [0, I) then up rows [I, 2I), as transformers fuses them
         self.register_buffer("gate_up_packed_codes", torch.zeros(num_experts, 2 * width, hidden // 2, dtype=uint8))
@@ -1605,7 +1640,9 @@ class PackedNVFP4Experts(torch.nn.Module):
         """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, EXPERT_TILES)
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
+        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, pair_outputs, self.num_experts, tiles.rows,
+                                                      self.real_tokens)
         num_tiles = tile_experts.numel()
         common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
@@ -1620,7 +1657,6 @@ class PackedNVFP4Experts(torch.nn.Module):
         )
         down_rows = tiles.down_rows or tiles.rows
         down_columns = fitted_block(tiles.down_columns or tiles.columns, self.hidden)
-        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
         nvfp4_down_kernel[(num_tiles * tiles.rows // down_rows, self.hidden // down_columns)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_packed_codes, self.down_block_scales.view(torch.uint8), self.down_global_scale,
@@ -1634,7 +1670,9 @@ class PackedNVFP4Experts(torch.nn.Module):
         the down input is rounded between the two, in place, by the Triton kernels' rounding helper."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows)
+        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, pair_outputs, self.num_experts, tiles.rows,
+                                                      self.real_tokens)
         num_tiles = tile_experts.numel()
         common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, SMALLEST_ROWS=tiles.smallest_rows or tiles.rows)
         gate_up_groups, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
@@ -1649,7 +1687,6 @@ class PackedNVFP4Experts(torch.nn.Module):
         if self.simulate_fp4_activations:
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
-        pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
         nvfp4_down_fragment_kernel[(num_tiles, self.hidden // (FRAGMENT_ROWS.value * down_groups))](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
@@ -2835,10 +2872,13 @@ class PackedTextDecoder(torch.nn.Module):
         # (bucket, one record) -> its CUDAGraph, reading and writing views of the static buffers; the graphs of
         # one-record batches take cuDNN's attention (packed_records_attention)
         self.graphs = {}
-        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens [R + 2], deepstack features [D, 1, L, H],
-        # hidden [1, L, H] at the largest bucket, shared by every bucket (as views of their first L tokens): the graphs
-        # never run at the same time, and 40 buckets' own copies would hold ~1 GiB at full size
+        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens and then the real tokens' count [R + 3],
+        # deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every bucket (as views of
+        # their first L tokens): the graphs never run at the same time, and 40 buckets' own copies would hold ~1 GiB
+        # at full size
         self.static_buffers = None
+        # the packed experts' routing skips the padding's pairs while run_padded runs (PackedNVFP4Experts.real_tokens)
+        self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
         self.deepstack_tokens = 0  # the static deepstack features are zero past this many tokens
         self.tower_graphs = []  # the vision and audio towers' TowerGraphs, captured in the same pool as the decoder
 
@@ -2886,13 +2926,15 @@ class PackedTextDecoder(torch.nn.Module):
                 deepstack[:, 0, packed_visual] = visual_features
             packed_hidden = self.run_padded(packed_embeds[None], packed_positions[:, None], cu_seq_lens, deepstack)[0]
         else:
-            static_embeds, static_positions, static_cu_seq_lens, static_deepstack, static_hidden = self.static_views(
-                bucket, inputs_embeds)
+            static_embeds, static_positions, static_cu_seq_lens, static_deepstack, static_real_tokens, static_hidden = (
+                self.static_views(bucket, inputs_embeds))
             static_embeds[0, :total].copy_(packed_embeds)
             static_embeds[0, total:].zero_()
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
-            static_cu_seq_lens.copy_(host_to_device(torch.tensor(boundaries, dtype=torch.int32), static_embeds.device))
+            _, _, static_counts, _, _ = self.static_buffers  # cu_seq_lens and the real tokens, written in one copy
+            counts = torch.tensor([*boundaries, total], dtype=torch.int32)  # [R + 3]
+            static_counts.copy_(host_to_device(counts, static_embeds.device))
             if self.deepstack_tokens:  # an earlier batch's features, perhaps past this bucket: back to zeros
                 _, _, _, all_deepstack, _ = self.static_buffers  # [D, 1, Lmax, H], not just this bucket's view
                 all_deepstack[:, :, :self.deepstack_tokens].zero_()
@@ -2905,39 +2947,49 @@ class PackedTextDecoder(torch.nn.Module):
             if graph is not None:
                 graph.replay()
             else:
-                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack)
+                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack,
+                                                static_real_tokens)
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
         hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens, the
-        deepstack features [D, 1, L, H], and the hidden states [1, L, H] a graph writes. `like`: a device tensor of
-        the decoder's dtype and hidden size."""
+        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens
+        [R + 2], the deepstack features [D, 1, L, H], the real tokens' count [1], and the hidden states [1, L, H] a
+        graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
         if self.static_buffers is None:
             longest, hidden, dtype, device = self.buckets[-1], like.shape[-1], like.dtype, like.device
             self.static_buffers = (
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
                 torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=device),  # [P, 1, Lmax]
-                torch.zeros(MAX_RECORDS_PER_FORWARD + 2, dtype=torch.int32, device=device),  # [R + 2]
+                torch.zeros(MAX_RECORDS_PER_FORWARD + 3, dtype=torch.int32, device=device),  # [R + 3]
                 torch.zeros(self.deepstack_layers, 1, longest, hidden, dtype=dtype, device=device),  # [D, 1, Lmax, H]
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
             )
-        inputs_embeds, position_ids, cu_seq_lens, deepstack, hidden = self.static_buffers
-        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], cu_seq_lens, deepstack[:, :, :bucket],
-                hidden[:, :bucket])
+        inputs_embeds, position_ids, counts, deepstack, hidden = self.static_buffers
+        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], counts[:-1], deepstack[:, :, :bucket],
+                counts[-1:], hidden[:, :bucket])
 
     def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
-                   deepstack: torch.Tensor | None, one_record: bool = False) -> torch.Tensor:
+                   deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
+                   one_record: bool = False) -> torch.Tensor:
         """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add); the
         longest record is taken to be L (flash attention needs only an upper bound), so nothing depends on the batch
-        but the tensors' contents. one_record: the inputs are one record and padding (packed_records_attention)."""
-        return self.decoder(
-            inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seq_lens,
-            max_length_q=inputs_embeds.shape[1], one_record=one_record,
-            deepstack_visual_embeds=None if deepstack is None else list(deepstack),
-        ).last_hidden_state
+        but the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the tokens past it are
+        padding, whose MoE pairs the packed experts skip. one_record: the inputs are one record and padding
+        (packed_records_attention)."""
+        for experts in self.packed_experts:
+            experts.real_tokens = real_tokens
+        try:
+            return self.decoder(
+                inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seq_lens,
+                max_length_q=inputs_embeds.shape[1], one_record=one_record,
+                deepstack_visual_embeds=None if deepstack is None else list(deepstack),
+            ).last_hidden_state
+        finally:
+            for experts in self.packed_experts:
+                experts.real_tokens = None
 
     def compile_layers(self) -> None:
         """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
@@ -2971,7 +3023,8 @@ class PackedTextDecoder(torch.nn.Module):
         cudnn_attention = True  # until it fails to run here
         for bucket in sorted(self.buckets, reverse=True):
             *static_inputs, static_hidden = self.static_views(bucket, like)
-            static_inputs[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 1)))  # padding only
+            # one record filling the bucket, every token real
+            self.static_buffers[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 2)))
             for one_record in (False, True) if cudnn_attention else (False,):
                 side_stream.wait_stream(torch.cuda.current_stream())
                 try:

@@ -266,7 +266,8 @@ def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
 
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
+    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, torch.empty(10, 4), num_experts=8,
+                                                             block_rows=2)
     assert slot_pairs.dtype == tile_experts.dtype == torch.int32
     tiles = slot_pairs.view(-1, 2).tolist()
     expected_tiles = {0: [[3, 6]], 1: [[2, 7]], 3: [[0, 1], [4, 9]], 7: [[5, 8]]}  # pairs (token * 2 + k) in order
@@ -307,6 +308,22 @@ def test_kernels_equal_the_unpack_path_bit_for_bit_when_weights_are_exact(num_to
     assert torch.equal(experts.forward_packed(*inputs), reference)
 
 
+@pytest.mark.parametrize("simulate_fp4_activations", [False, True], ids=["W4A16", "W4A4"])
+@torch.no_grad()
+def test_the_padding_skips_the_experts_and_the_real_tokens_keep_the_unpack_paths_bits(simulate_fp4_activations):
+    """While the engine's decoder runs a padded bucket (PackedNVFP4Experts.real_tokens), the tokens past the real
+    ones skip the experts: their outputs are zeros, and every real token's is the unpack path's to the bit."""
+    experts = tiny_packed_experts(power_of_two_global_scales=True)
+    experts.simulate_fp4_activations = simulate_fp4_activations
+    inputs = routed(19, seed=11)
+    reference = experts.forward_unpacked(*inputs)
+    assert reference[:15].abs().mean() > 1e-4 and reference[15:].abs().mean() > 1e-4  # not comparisons of zeros
+    experts.real_tokens = torch.tensor([15], dtype=torch.int32)
+    output = experts.forward_packed(*inputs)
+    assert torch.equal(output[:15], reference[:15])
+    assert torch.equal(output[15:], torch.zeros_like(output[15:]))
+
+
 @pytest.mark.parametrize("tiles", [tiles for _, tiles in serve_clef.EXPERT_TILES], ids=str)
 @torch.no_grad()
 def test_every_served_tile_shape_gives_the_unpack_paths_bits(tiles, monkeypatch):
@@ -315,8 +332,8 @@ def test_every_served_tile_shape_gives_the_unpack_paths_bits(tiles, monkeypatch)
     ones, each routed tile is split between several of them."""
     monkeypatch.setattr(serve_clef, "EXPERT_TILES", ((None, tiles),))
     routed_rows, route = [], serve_clef.route_to_row_tiles
-    monkeypatch.setattr(serve_clef, "route_to_row_tiles",
-                        lambda index, num_experts, rows: routed_rows.append(rows) or route(index, num_experts, rows))
+    monkeypatch.setattr(serve_clef, "route_to_row_tiles", lambda index, pair_outputs, num_experts, rows, real_tokens:
+                        routed_rows.append(rows) or route(index, pair_outputs, num_experts, rows, real_tokens))
     experts = tiny_packed_experts(power_of_two_global_scales=True)
     hidden_states, top_k_index, top_k_weights = routed(150, seed=7)
     top_k_index[:, 0] = 4  # expert 4: at least 150 pairs
@@ -392,6 +409,28 @@ def test_auto_takes_the_gluon_kernels_on_hopper_when_the_sizes_fit(monkeypatch):
 def load_tiny(flags):
     args = serve_clef.parse_args(["--model", "synthetic", "--device", "cpu", *flags])
     return serve_clef.load_from_args(args, progress=lambda line: None)
+
+
+@torch.no_grad()
+def test_the_engine_s_padding_skips_the_kernels(monkeypatch):
+    """A decision runs its record padded to a bucket: every layer's routing is told the record's length, so the
+    padding's pairs take no slot, and the experts are told nothing once the decoder has run."""
+    loaded = load_tiny(["--expert-kernels", "triton"])
+    routings, route = [], serve_clef.route_to_row_tiles
+
+    def recorded_route(top_k_index, pair_outputs, num_experts, block_rows, real_tokens):
+        routings.append((top_k_index.shape[0], None if real_tokens is None else int(real_tokens)))
+        return route(top_k_index, pair_outputs, num_experts, block_rows, real_tokens)
+
+    monkeypatch.setattr(serve_clef, "route_to_row_tiles", recorded_route)
+    request = {"model": "clef-omni", "state": "The parcel came late.", "questions": {"late": {"type": "noul"}}}
+    tokens = serve_clef.decide(loaded, request, 4096)["usage"]["input_tokens"]
+    bucket = min(bucket for bucket in serve_clef.DECODER_BUCKETS if bucket >= tokens)
+    assert bucket > tokens  # padding to skip
+    layers = loaded.model.thinker.config.text_config.num_hidden_layers
+    assert routings == [(bucket, tokens)] * layers
+    assert all(module.real_tokens is None for module in loaded.model.modules()
+               if isinstance(module, serve_clef.PackedNVFP4Experts))
 
 
 @torch.no_grad()

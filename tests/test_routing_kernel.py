@@ -11,11 +11,15 @@ import torch
 import serve_clef
 
 
-def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
+def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
+                        real_tokens: int | None = None):
     """Expert by expert, its pairs (token * K + k) in increasing order, then -1 up to a whole number of tiles; then
-    tiles of -1 marked with expert num_experts up to the most tiles any routing of S pairs can need."""
-    expert_of_pair = top_k_index.reshape(-1).numpy()
+    tiles of -1 marked with expert num_experts up to the most tiles any routing of S pairs can need. The pairs of
+    the tokens from real_tokens on (padding) take no slot."""
+    expert_of_pair = top_k_index.reshape(-1).numpy().copy()
     num_pairs = expert_of_pair.size
+    if real_tokens is not None:
+        expert_of_pair[real_tokens * top_k_index.shape[1]:] = -1
     slot_pairs, tile_experts = [], []
     for expert in range(num_experts):
         pairs = np.flatnonzero(expert_of_pair == expert).tolist()
@@ -29,12 +33,23 @@ def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows:
     return torch.tensor(slot_pairs, dtype=torch.int32), torch.tensor(tile_experts, dtype=torch.int32)
 
 
-def assert_routes_like_the_reference(top_k_index: torch.Tensor, num_experts: int, block_rows: int):
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts, block_rows)
-    expected_slot_pairs, expected_tile_experts = reference_row_tiles(top_k_index, num_experts, block_rows)
+def assert_routes_like_the_reference(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
+                                     real_tokens: int | None = None, hidden: int = 24):
+    """route_to_row_tiles against the reference. The pair outputs start as NaN: the rows of the padding's pairs must
+    come back zeros, the others untouched (the down kernel writes them)."""
+    num_tokens, top_k = top_k_index.shape
+    pair_outputs = torch.full((num_tokens * top_k, hidden), torch.nan, dtype=torch.bfloat16)
+    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(
+        top_k_index, pair_outputs, num_experts, block_rows,
+        None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32))
+    expected_slot_pairs, expected_tile_experts = reference_row_tiles(top_k_index, num_experts, block_rows,
+                                                                     real_tokens)
     assert slot_pairs.dtype == tile_experts.dtype == torch.int32
     assert torch.equal(tile_experts, expected_tile_experts)
     assert torch.equal(slot_pairs, expected_slot_pairs)
+    padding_pairs = (num_tokens if real_tokens is None else min(real_tokens, num_tokens)) * top_k
+    assert torch.equal(pair_outputs[padding_pairs:], torch.zeros_like(pair_outputs[padding_pairs:]))
+    assert pair_outputs[:padding_pairs].isnan().all()
 
 
 def router_choices(num_tokens: int, top_k: int, num_experts: int, seed: int) -> torch.Tensor:
@@ -97,3 +112,17 @@ def test_tiny_models_few_experts(num_experts, top_k, num_tokens, block_rows):
     generator = torch.Generator().manual_seed(num_tokens * num_experts)
     top_k_index = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
     assert_routes_like_the_reference(top_k_index, num_experts, block_rows)
+
+
+@pytest.mark.parametrize("real_tokens", [517, 576, 1, 0], ids=["59 of padding", "none", "1 real", "no real"])
+def test_the_padding_s_pairs_take_no_slot(real_tokens):
+    """The engine's padding: a bucket of 576 tokens, its tokens from real_tokens on padding, routed (as the padding's
+    tied router logits route it) to the same 8 experts. Their pairs take no slot, and their outputs are zeros."""
+    top_k_index = router_choices(576, 8, 128, seed=5)
+    top_k_index[real_tokens:] = torch.arange(8)
+    assert_routes_like_the_reference(top_k_index, 128, 64, real_tokens, hidden=300)
+
+
+def test_a_real_token_count_past_the_tokens_skips_nothing():
+    top_k_index = router_choices(40, 4, 16, seed=6)
+    assert_routes_like_the_reference(top_k_index, 16, 16, real_tokens=41)
