@@ -3786,8 +3786,37 @@ def _asset_item(placeholder: str, asset: Any) -> MediaItem:
     return media._replace(base64_text=asset["data_base64"])
 
 
+def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
+    """400 for a value JSON parses but nothing downstream can represent: a NaN or ±Infinity literal, a number that
+    overflowed to infinity (1e999), or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys
+    included; the message names the field, its own surrogates written as escapes. Walked with a stack, not
+    recursion: a body nested as deep as the JSON parser allows must not exhaust Python's recursion limit here."""
+    pending = [(value, loc)]
+    while pending:
+        value, loc = pending.pop()
+        problem = None
+        if isinstance(value, float) and math.isnan(value):
+            problem = "NaN is not a JSON number"
+        elif isinstance(value, float) and math.isinf(value):
+            problem = "Infinity, or a number too large for a 64-bit float, is not a JSON number"
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                problem = "text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the text"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # reversed: the first offending field is reported first
+                pending += [(item, (*loc, key)), (key, (*loc, key))]
+        elif isinstance(value, list):
+            pending += [(item, (*loc, index)) for index, item in reversed(list(enumerate(value)))]
+        if problem is not None:
+            path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
+            raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
+
+
 def validate_request(request: Any) -> tuple[dict, bool]:
-    """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate).
+    """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate). Values
+    nothing downstream can represent anywhere in it are refused first, with 400 (refuse_unrepresentable_values).
 
     The record keeps only the fields systemone reads (unknown fields are ignored, `media_kwargs` is refused), and its
     media items become MediaItems for `decode_media`. The TypeSafe clients' `assets` (placeholder -> image) join the
@@ -3795,6 +3824,7 @@ def validate_request(request: Any) -> tuple[dict, bool]:
     """
     if not isinstance(request, dict):
         raise RequestError(422, ("body",), f"the body must be a JSON object, not {json_type(request)}", "dict_type")
+    refuse_unrepresentable_values(request, ("body",))
     for name in ("model", "state", "questions"):
         if name not in request:
             raise _invalid((name,), f"{name} is required", "missing")
@@ -4734,7 +4764,7 @@ def attach_multipart_images(payload: Any, parts: dict[str, tuple[str, bytes]]) -
 async def read_json_body(request: Request) -> Any:
     """The parsed body: 415 if neither JSON nor multipart or in an unknown Content-Encoding, 413 over 13 MiB
     (declared, streamed or decompressed), 408 when it has not arrived within BODY_READ_TIMEOUT_S, 422 if it does not
-    parse, 400 for values nothing can represent. A multipart body (the TypeSafe clients' image uploads) gives its
+    parse (values nothing can represent are refused by validate_request). A multipart body (the TypeSafe clients' image uploads) gives its
     JSON request part, with the image parts put into the `assets` entries that name them."""
     content_type = request.headers.get("content-type", "application/json")
     media_type = content_type.partition(";")[0].strip().lower()
@@ -4767,46 +4797,16 @@ async def read_json_body(request: Request) -> Any:
     if multipart:
         body, parts = await read_multipart_body(content_type, bytes(body))
 
-    def refuse_constant(name: str) -> None:
-        raise ValueError(f"{name} is not JSON")
-
     try:
-        parsed = json.loads(body, parse_constant=refuse_constant)
+        parsed = json.loads(body)  # NaN and ±Infinity literals parse, to be refused with 400 naming their field
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         # FastAPI's shape for a body that does not parse: 422, json_invalid, located at the character where it broke
         position = getattr(error, "pos", getattr(error, "start", None))
         loc = ("body",) if position is None else ("body", position)
         raise RequestError(422, loc, f"the body is not valid JSON: {error}", "json_invalid") from None
-    refuse_unrepresentable_values(parsed, ("body",))
     if multipart:
         attach_multipart_images(parsed, parts)
     return parsed
-
-
-def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
-    """400 for a value JSON parses but nothing downstream can represent: a number that overflowed to infinity (1e999)
-    or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys included; the message names the field,
-    its own surrogates written as escapes. Walked with a stack, not recursion: a body nested as deep as the JSON
-    parser allows must not exhaust Python's recursion limit here."""
-    pending = [(value, loc)]
-    while pending:
-        value, loc = pending.pop()
-        problem = None
-        if isinstance(value, float) and not math.isfinite(value):
-            problem = "a number too large for a 64-bit float"
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                problem = "text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the text"
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):  # reversed: the first offending field is reported first
-                pending += [(item, (*loc, key)), (key, (*loc, key))]
-        elif isinstance(value, list):
-            pending += [(item, (*loc, index)) for index, item in reversed(list(enumerate(value)))]
-        if problem is not None:
-            path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
-            raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
 
 
 class ObserveDecisions:
