@@ -3520,7 +3520,7 @@ def json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
-        return "a string"
+        return "a string" if value else "an empty string"
     return "an array" if isinstance(value, list) else "an object"
 
 
