@@ -3662,7 +3662,7 @@ def json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
-        return "a string"
+        return "a string" if value else "an empty string"
     return "an array" if isinstance(value, list) else "an object"
 
 
@@ -4764,8 +4764,8 @@ def attach_multipart_images(payload: Any, parts: dict[str, tuple[str, bytes]]) -
 async def read_json_body(request: Request) -> Any:
     """The parsed body: 415 if neither JSON nor multipart or in an unknown Content-Encoding, 413 over 13 MiB
     (declared, streamed or decompressed), 408 when it has not arrived within BODY_READ_TIMEOUT_S, 422 if it does not
-    parse (values nothing can represent are refused by validate_request). A multipart body (the TypeSafe clients' image uploads) gives its
-    JSON request part, with the image parts put into the `assets` entries that name them."""
+    parse (values nothing can represent are refused by validate_request). A multipart body (the TypeSafe clients'
+    image uploads) gives its JSON request part, with the image parts put into the `assets` entries that name them."""
     content_type = request.headers.get("content-type", "application/json")
     media_type = content_type.partition(";")[0].strip().lower()
     multipart = media_type == "multipart/form-data"

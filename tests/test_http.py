@@ -267,7 +267,7 @@ UNPROCESSABLE = [
     # (request, phrase the message must contain, param)
     ({"state": "s", "questions": {"q": {"type": "noul"}}}, "model is required", "model"),
     ({**GOOD_REQUEST, "model": 7}, "model must be a non-empty string", "model"),
-    ({**GOOD_REQUEST, "model": ""}, "model must be a non-empty string", "model"),
+    ({**GOOD_REQUEST, "model": ""}, "model must be a non-empty string, not an empty string", "model"),
     ({**GOOD_REQUEST, "state": None}, "state must be", "state"),
     ({**GOOD_REQUEST, "state": 3.5}, "state must be", "state"),
     ({**GOOD_REQUEST, "state": True}, "state must be", "state"),
