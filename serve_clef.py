@@ -593,7 +593,12 @@ def nvfp4_down_kernel(
 # kernels on CUDA: a selection and a sort of the K chosen), the chosen probabilities' renormalisation and the cast
 # back to BF16, which Inductor cannot fuse around torch.topk (about 0.9 ms of a 517-token forward's GPU work on an
 # H200, 3.3 ms of a 16-record one). The kernel reads each token's E logits once and does all of it in registers:
-# K rounds of "the largest probability left, the lowest expert among equal ones".
+# K rounds of "the largest probability left, the lowest expert among equal ones". BF16 logits are often equal, and
+# torch.topk leaves unspecified which of equal values it returns (CPU and CUDA differ): the lowest is a fixed rule,
+# so a request gets the same experts every time. Triton's fp32 exp on CUDA (ex2.approx after a scaling) may differ
+# from torch's softmax in a probability's last bits, and the K chosen are summed in another order, so the weights
+# may differ from transformers' by one BF16 unit in the last place, and experts a few fp32 ulps apart may swap
+# (bench/check_engine_gpu.py counts both on the GPU).
 ROUTER_TOKENS = 32  # tokens a program
 
 
@@ -3001,7 +3006,7 @@ class PackedTextDecoder(torch.nn.Module):
         for layer in self.decoder.layers:
             router = getattr(layer.mlp, "gate", None)
             if type(router).__name__ == "Qwen3OmniMoeThinkerTextTopKRouter" and router.weight.is_cuda:
-                layer.mlp.gate = FusedTopKRouter(router)  # on CUDA, where its ties fall as torch.topk's do
+                layer.mlp.gate = FusedTopKRouter(router)  # on CUDA: on CPU the kernel would run interpreted
             # Inductor keeps fused intermediates in fp32 unless told to round them where eager BF16 rounds them:
             # emulate eager, so the compiled layers compute what the checkpoint was calibrated and evaluated with
             layer.compile(dynamic=True, options={"emulate_precision_casts": True})
@@ -3055,7 +3060,7 @@ class FusedTopKRouter(torch.nn.Module):
     """Stands in for transformers' Qwen3-Omni text router (Qwen3OmniMoeThinkerTextTopKRouter) in the compiled decoder
     layers, with its forward signature, its weight (the same parameter) and its maths: the same linear gives the
     logits, then the softmax, top-k and renormalisation run in one launch (route_top_k). Among equal probabilities
-    the lower expert is chosen, as torch.topk chooses on CUDA."""
+    the lower expert is chosen (torch.topk leaves it unspecified)."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()

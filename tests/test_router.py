@@ -3,9 +3,10 @@ FusedTopKRouter that serves it on CUDA against transformers' own Qwen3-Omni rout
 
 The formula is transformers' router's: the softmax of the logits in fp32, the K largest probabilities, renormalised to
 sum 1 (when the config says so), rounded to BF16. BF16 logits are often exactly equal, so which of two equal
-probabilities is chosen matters: the kernel takes the lower expert, as torch.topk does on CUDA (checked on the GPU by
-bench/check_engine_gpu.py); on CPU torch.topk may take the other, so the comparison with transformers' router here
-leaves out the tokens whose K-th and next probabilities are equal.
+probabilities is chosen matters: the kernel takes the lower expert, a fixed rule, where torch.topk leaves the choice
+unspecified (and takes the other here on CPU), so the comparison with transformers' router leaves out the tokens whose
+K-th and next probabilities are equal. bench/check_engine_gpu.py makes the same comparison on the GPU, where the
+kernel's exp and torch's may also differ in the last bits.
 """
 
 import types
