@@ -3644,6 +3644,22 @@ def _asset_item(placeholder: str, asset: Any) -> MediaItem:
     return media._replace(base64_text=asset["data_base64"])
 
 
+def parse_request_json(text: str | bytes) -> Any:
+    """A request's JSON text parsed as Python's json parses it, except that an integer beyond a 64-bit float's range
+    (more than 1.8e308 in magnitude) becomes ±infinity, as it does in clients that read JSON numbers as floats, and is
+    refused with 400 naming its field (refuse_unrepresentable_values) like 1e999; Python alone would keep one of up to
+    4,300 digits and fail the whole body on a longer one, with a message about its own digit limit."""
+
+    def integer(digits: str) -> int | float:
+        if len(digits.lstrip("-")) <= len(str(int(sys.float_info.max))):
+            value = int(digits)
+            if abs(value) <= sys.float_info.max:
+                return value
+        return -math.inf if digits.startswith("-") else math.inf
+
+    return json.loads(text, parse_int=integer)
+
+
 def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
     """400 for a value JSON parses but nothing downstream can represent: a NaN or ±Infinity literal, a number that
     overflowed to infinity (1e999), or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys
@@ -4656,7 +4672,7 @@ async def read_json_body(request: Request) -> Any:
         body, parts = await read_multipart_body(content_type, bytes(body))
 
     try:
-        parsed = json.loads(body)  # NaN and ±Infinity literals parse, to be refused with 400 naming their field
+        parsed = parse_request_json(body)  # NaN, ±Infinity and overflowing numbers parse, to be refused with 400
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         # FastAPI's shape for a body that does not parse: 422, json_invalid, located at the character where it broke
         position = getattr(error, "pos", getattr(error, "start", None))
@@ -4881,7 +4897,7 @@ def answer_once(args: argparse.Namespace) -> int:
     request = DEMO_REQUEST
     if args.request:
         try:
-            request = json.loads(Path(args.request).read_text(encoding="utf-8"))
+            request = parse_request_json(Path(args.request).read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             console(f"serve_clef: cannot read the request file {args.request}: {error}")
             return 2
