@@ -330,6 +330,19 @@ def test_parity_report_against_an_independent_recomputation(tiny_release, nvfp4_
     assert sorted(floor["experts_implementations"]) == ["eager", "grouped_mm"]
     assert floor["questions"] == len(questions)
 
+    # the weights' memory: the release's tensor bytes on disk (the talker's left out, the joint head's in), plus the
+    # buffers the model computes at load (rotary frequencies, the audio tower's positions), which no file holds
+    on_disk = 0
+    for shard in tiny_release.glob("*.safetensors"):
+        with safetensors.safe_open(shard, "pt") as tensors:
+            on_disk += sum(tensors.get_tensor(name).nbytes for name in tensors.keys()
+                           if not serve_clef.is_talker_tensor(name))
+    model = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                      progress=lambda message: None).model
+    computed = sum(buffer.nbytes for name, buffer in model.named_buffers() if name not in model.state_dict())
+    assert report["reference"]["memory_gib"] == {"weights": (on_disk + computed) / 2**30, "peak": None}  # on CPU
+    assert 0 < report["candidate"]["memory_gib"]["weights"] < report["reference"]["memory_gib"]["weights"]
+
 
 def _scored(question_id: str, option_ids: list[str], probabilities: list[float]) -> dict:
     return {"record_id": "r", "question_id": question_id, "option_ids": option_ids, "probabilities": probabilities}
