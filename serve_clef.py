@@ -1830,6 +1830,24 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
         ) from error
 
 
+def read_checkpoint_json(path: Path) -> dict:
+    """A checkpoint's JSON metadata file, which must hold an object; a damaged download or a hand edit gets a one-line
+    refusal naming the file, not the parser's traceback."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, or not JSON
+        raise CheckpointError(f"{path} cannot be read as JSON ({error}): download or export it again") from None
+    return metadata_object(value, str(path))
+
+
+def metadata_object(value: Any, where: str) -> dict:
+    """`value` if it is a JSON object, else a one-line refusal naming where it was read."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where} holds {type(value).__name__} {str(value)[:80]!r} where a JSON object belongs: "
+                              "download or export the checkpoint again")
+    return value
+
+
 def served_algo(algo: Any, group_size: Any, where: str) -> str:
     """A ModelOpt quant_algo (any case) that serve_clef serves, upper-cased; else a one-line refusal."""
     if str(algo).upper() not in SERVED_QUANT_ALGOS or group_size not in (None, 16):
@@ -1846,10 +1864,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
     excluded = tuple(quantization.get("exclude_modules", quantization.get("ignore")) or ())
     algo = str(quantization.get("quant_algo")).upper()
     if algo == "MIXED_PRECISION":
-        layer_algos = {
-            module: served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
-            for module, layer in (quantization.get("quantized_layers") or {}).items()
-        }
+        layer_algos = {}
+        layers = metadata_object(quantization.get("quantized_layers") or {}, f"{source}: quantized_layers")
+        for module, layer in layers.items():
+            layer = metadata_object(layer, f"{source}: quantized_layers.{module}")
+            layer_algos[module] = served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
         expert_algos = {algo for module, algo in layer_algos.items() if EXPERT_MODULE.search(module)}
         if len(expert_algos) > 1:
             raise CheckpointError(f"{source}: its experts mix {' and '.join(sorted(expert_algos))}, which is not "
@@ -1857,8 +1876,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
         return CheckpointQuantization(CheckpointFormat.MODELOPT_MIXED_PRECISION, source, producer_name, excluded,
                                       layer_algos=layer_algos, experts_algo=next(iter(expert_algos), None))
     group_size = quantization.get("group_size")
-    for group in (quantization.get("config_groups") or {}).values():
-        group_size = group.get("weights", {}).get("group_size", group_size)
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        group_size = weights.get("group_size", group_size)
     algo = served_algo(quantization.get("quant_algo"), group_size, source)
     return CheckpointQuantization(CheckpointFormat("modelopt:" + algo), source, producer_name, excluded,
                                   target_algos=((("Linear",), algo),), experts_algo=algo)
@@ -1871,20 +1893,30 @@ def compressed_tensors_quantization(quantization: dict, source: str) -> Checkpoi
         raise CheckpointError(f"{source}: quantization_status {quantization['quantization_status']!r}, the weights "
                               "are not packed; serve a compressed (saved with save_compressed) checkpoint")
     target_algos = []
-    for group_name, group in (quantization.get("config_groups") or {}).items():
-        weights, activations = group.get("weights") or {}, group.get("input_activations")
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        activations = group.get("input_activations")
         group_format = group.get("format") or quantization.get("format")
         nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16}
+        # NVFP4's scheme: a global scale over the group scales (strategy tensor_group), symmetric, weights static
+        nvfp4_scheme = {"strategy": "tensor_group", "symmetric": True}
         served = (
             group_format == "nvfp4-pack-quantized"
             and nvfp4.items() <= weights.items()
-            and (activations is None or (nvfp4 | {"dynamic": "local"}).items() <= activations.items())
+            and all(weights.get(key, value) == value for key, value in (nvfp4_scheme | {"dynamic": False}).items())
+            and (activations is None or (isinstance(activations, dict)
+                                         and (nvfp4 | {"dynamic": "local"}).items() <= activations.items()
+                                         and all(activations.get(key, value) == value
+                                                 for key, value in nvfp4_scheme.items())))
         )
         if not served:
             raise CheckpointError(
                 f"{source}: config group {group_name} (format {group_format!r}, weights {weights.get('num_bits')}-bit "
-                f"{weights.get('type')}, input activations {'none' if activations is None else activations}) is not "
-                "served; serve_clef serves nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16"
+                f"{weights.get('type')} strategy {weights.get('strategy')!r}, input activations "
+                f"{'none' if activations is None else activations}) is not served; serve_clef serves "
+                "nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16, strategy tensor_group"
             )
         target_algos.append((tuple(group.get("targets") or ()), "W4A16_NVFP4" if activations is None else "NVFP4"))
     algos = {algo for _, algo in target_algos}
@@ -1908,18 +1940,22 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                 f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a quantized export needs the "
                 "release's joint_head*, tokenizer and processor files copied beside it)"
             )
+    config = read_checkpoint_json(checkpoint_dir / "config.json")  # read here first: transformers' reader would crash
     quant_config_path = checkpoint_dir / "hf_quant_config.json"
     if quant_config_path.exists():
-        hf_quant_config = json.loads(quant_config_path.read_text())
-        return modelopt_quantization(hf_quant_config["quantization"], hf_quant_config.get("producer"),
-                                     str(quant_config_path))
-    config = json.loads((checkpoint_dir / "config.json").read_text())
+        hf_quant_config = read_checkpoint_json(quant_config_path)
+        producer = hf_quant_config.get("producer")
+        return modelopt_quantization(
+            metadata_object(hf_quant_config.get("quantization"), f"{quant_config_path}: quantization"),
+            None if producer is None else metadata_object(producer, f"{quant_config_path}: producer"),
+            str(quant_config_path))
     thinker_config = config.get("thinker_config") or {}
     quantization = (config.get("quantization_config") or thinker_config.get("quantization_config")
                     or (thinker_config.get("text_config") or {}).get("quantization_config"))
     source = f"{checkpoint_dir / 'config.json'} quantization_config"
     if quantization is None:
         return CheckpointQuantization(CheckpointFormat.BF16)
+    quantization = metadata_object(quantization, source)
     if quantization.get("quant_method") == "modelopt":
         return modelopt_quantization(quantization, quantization.get("producer"), source)
     if quantization.get("quant_method") == "compressed-tensors":
@@ -2083,7 +2119,8 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
     """Every thinker tensor of a safetensors checkpoint as (name on disk, tensor on CPU), one shard at a time."""
     index_path = checkpoint_dir / "model.safetensors.index.json"
     if index_path.exists():
-        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        weight_map = metadata_object(read_checkpoint_json(index_path).get("weight_map"), f"{index_path}: weight_map")
+        shards = sorted(set(weight_map.values()))
     else:
         shards = ["model.safetensors"]
     for shard in shards:
@@ -2559,8 +2596,8 @@ def load_clef(
             if expert_kernels == "native":
                 experts.to_native_order()
 
-    head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
-    if head_config["hidden_size"] != text_config.hidden_size:
+    head_config = read_checkpoint_json(checkpoint_dir / "joint_head_config.json")
+    if head_config.get("hidden_size") != text_config.hidden_size:
         raise CheckpointError(
             f"{checkpoint_dir}/joint_head_config.json: hidden_size {head_config['hidden_size']} differs from the "
             f"thinker's text hidden size {text_config.hidden_size}; the joint head belongs to another model"
