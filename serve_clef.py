@@ -42,6 +42,7 @@ import hmac
 import html
 import http
 import importlib.util
+import inspect
 import io
 import itertools
 import json
@@ -2596,11 +2597,18 @@ def load_clef(
             if expert_kernels == "native":
                 experts.to_native_order()
 
-    head_config = read_checkpoint_json(checkpoint_dir / "joint_head_config.json")
-    if head_config.get("hidden_size") != text_config.hidden_size:
+    head_config_path = checkpoint_dir / "joint_head_config.json"
+    head_config = read_checkpoint_json(head_config_path)
+    head_signature = inspect.signature(schema.JointSchemaHead)
+    try:
+        head_signature.bind(**head_config)
+    except TypeError as error:  # a key the constructor does not take, or one it needs missing
+        raise CheckpointError(f"{head_config_path}: {error}; its keys are the joint head's arguments "
+                              f"({', '.join(head_signature.parameters)}): copy it from the release") from None
+    if head_config["hidden_size"] != text_config.hidden_size:
         raise CheckpointError(
-            f"{checkpoint_dir}/joint_head_config.json: hidden_size {head_config['hidden_size']} differs from the "
-            f"thinker's text hidden size {text_config.hidden_size}; the joint head belongs to another model"
+            f"{head_config_path}: hidden_size {head_config['hidden_size']} differs from the thinker's text hidden size "
+            f"{text_config.hidden_size}; the joint head belongs to another model"
         )
     head = schema.JointSchemaHead(**head_config)
     try:

@@ -365,9 +365,13 @@ def edit_json(name: str, edit):
          r"quantized_layers\.thinker\.model\.layers\.0\.mlp\.experts\.0\.up_proj holds int"),
         (write_text("model.safetensors.index.json", '{"weight_map": ["model.safetensors"]}'),
          r"model\.safetensors\.index\.json: weight_map holds list"),
+        (edit_json("joint_head_config.json", lambda config: config.pop("hidden_size")),
+         r"joint_head_config\.json: missing a required argument: 'hidden_size'; its keys are the joint head's"),
+        (edit_json("joint_head_config.json", lambda config: config.update(depth=3)),
+         r"joint_head_config\.json: got an unexpected keyword argument 'depth'"),
     ],
     ids=["quant-config-not-json", "config-not-json", "head-config-a-list", "quantization-null", "group-a-string",
-         "layer-a-number", "weight-map-a-list"],
+         "layer-a-number", "weight-map-a-list", "head-config-without-hidden-size", "head-config-unknown-key"],
 )
 def test_damaged_metadata_is_refused_in_one_line_naming_the_file(nvfp4_export, tmp_path, damage, phrase):
     """Metadata files that do not parse, or hold another JSON type where an object belongs, are refused with a
