@@ -2251,6 +2251,13 @@ def load_thinker_weights(
             projection = expert_match["projection"]
             if expert >= num_experts:
                 raise CheckpointError(f"checkpoint tensor {checkpoint_name}: the model has only {num_experts} experts")
+            if kind.quantized and not nvfp4_part and quantization.algo_of(module_on_disk) is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name}: {tensor.dtype} expert weights in a quantized export, "
+                    f"whose {quantization.source} leaves {module_on_disk} unquantized; "
+                    "serve_clef serves quantized exports whose experts are all NVFP4: quantize every layer's experts, "
+                    "or serve the BF16 release"
+                )
             if not kind.quantized:
                 store_bf16_expert(experts[experts_name], expert, projection, field, tensor, checkpoint_name)
                 bf16_experts_filled.add((experts_name, expert, projection))
