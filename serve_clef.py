@@ -2688,9 +2688,10 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # H200). So the decoder's layers are compiled (torch.compile fuses their small elementwise kernels) and the packed
 # decoder runs from CUDA graphs captured at load, two per bucket of packed lengths (several records, one): the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
-# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
-# embedding merge stay eager, and so does the packed decoder for batches longer than the largest bucket. Nothing in
-# the graphed part reads a GPU value on the host.
+# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers replay
+# graphs of their layers (TowerLayerStep, below); their code around those layers and the embedding merge stay eager,
+# and so does the packed decoder for batches longer than the largest bucket. Nothing in the graphed part reads a GPU
+# value on the host.
 
 # Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
 # ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
@@ -2983,7 +2984,7 @@ class HostEmbedding(torch.nn.Module):
     decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, from the
     host copy of the token ids (host_values); and the output embeddings (the lm_head's weight), of which
     the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
-    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free per table."""
+    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (152,064 x 2,048 in BF16) free per table."""
 
     def __init__(self, embedding: torch.nn.Module):  # an nn.Embedding or nn.Linear: its weight [V, H] is the table
         super().__init__()
