@@ -3525,6 +3525,9 @@ MAX_AUDIO_SECONDS = 300  # per clip, and per video soundtrack
 # The audio feature extractor reflect-pads each clip by half its 400-sample FFT window, which needs more than 200
 # samples at 16 kHz; 13 ms (208 samples) leaves room for the resampler's rounding of clips recorded at other rates.
 MIN_AUDIO_SECONDS = 0.013
+# A video's soundtrack whose packets last this long or more decodes to more than MIN_AUDIO_SECONDS whatever its codec's
+# priming drops (AAC's 2,112 samples, Opus's 80 ms), so only a shorter one is decoded to be measured (_check_video)
+SOUNDTRACK_PACKETS_SURELY_LONG_S = 1.0
 AUDIO_SAMPLE_RATE = 16_000  # the decision module's load_audio gives samples at this rate
 # FFmpeg reads up to 5 MB of a clip when it opens it, to find what the WAV or MP3 header states already (about 5 ms
 # per open of a 10 s WAV on the H200's host); the length checks read the headers and frames only.
@@ -3914,9 +3917,12 @@ def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) 
 
 def _check_video(media: MediaItem, data: bytes) -> None:
     """Refuse a video that is not MP4 or WebM or that breaks a limit, without decoding it: the frame size, aspect
-    ratio and durations come from the headers, the frame count and timestamps from its packets, and only its first
-    frame (to see that one decodes, at the size declared) and its soundtrack (counted against the audio limit, before
-    resampling) are decoded. The decision module decodes the frames it samples when it encodes the record."""
+    ratio and durations come from the headers, the frame count, timestamps and the soundtrack's length from its
+    packets, and only its first frame is decoded (to see that one decodes, at the size declared). The decision module
+    decodes the frames it samples, and the soundtrack, when it encodes the record. Packets decode to at most their
+    durations, less the codec's priming (tens of ms), so a soundtrack is decoded here, and counted exactly against the
+    audio limit before resampling, only when its packets pass that limit, state no duration, or come to less than
+    SOUNDTRACK_PACKETS_SURELY_LONG_S (where the priming could leave less than the audio encoder's window)."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_formats = container.format.name.split(",")
@@ -3936,10 +3942,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
             if declared > MAX_AUDIO_SECONDS:
                 raise _invalid(media.loc, f"{media.name} has a soundtrack of {declared:.1f} s by its header; "
                                f"soundtracks count against the audio limit of {MAX_AUDIO_SECONDS} s per clip")
-            frames, first_frame, sound_seconds = 0, None, 0.0
+            frames, first_frame = 0, None
+            sound_duration = 0 if soundtrack is not None and soundtrack.time_base is not None else None  # time base
             for packet in container.demux([video] + ([soundtrack] if soundtrack is not None else [])):
                 if packet.stream is soundtrack:
-                    sound_seconds = _decoded_seconds(packet.decode(), sound_seconds, media, "has a soundtrack of")
+                    if packet.size and sound_duration is not None:  # size 0: the demuxer's end-of-stream marker
+                        sound_duration = sound_duration + packet.duration if packet.duration else None
                     continue
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
@@ -3960,6 +3968,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
                 first_frame = next(iter(video.codec_context.decode(None)), None)
                 if first_frame is not None:
                     _refuse_picture_size(media, first_frame.width, first_frame.height, "frame")
+            sound_seconds = None if sound_duration is None else float(sound_duration * soundtrack.time_base)
+        if soundtrack is not None and not (
+                sound_seconds is not None and SOUNDTRACK_PACKETS_SURELY_LONG_S <= sound_seconds <= MAX_AUDIO_SECONDS):
+            with av.open(io.BytesIO(data)) as container:
+                sound_seconds = _decoded_seconds(container.decode(container.streams.audio[0]), 0.0, media,
+                                                 "has a soundtrack of")
     except (av.FFmpegError, ValueError) as error:
         raise _undecodable(media, "a video", error) from None
     if first_frame is None:
