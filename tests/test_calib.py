@@ -235,11 +235,11 @@ def _unpacked_weight(tensors):
 
 
 @pytest.mark.parametrize("change, message", [
-    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: NaN scale byte at \[5, 1\]"),
+    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: 1 NaN block scales \(bytes 0x7F/0xFF\)"),
     (_drop_expert, r"layer 1 expert 3 gate_proj: weight missing"),
-    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: 0\.0 is not a finite positive scale"),
+    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: scale 0\.0 must be finite and positive"),
     (_bf16_experts_left, r"thinker\.model\.layers\.0\.mlp\.experts\.gate_up_proj is not a packed per-expert tensor"),
-    (_unpacked_weight, EXPERT + r"gate_proj\.weight: BF16 \[32, 64\], expected packed U8"),
+    (_unpacked_weight, EXPERT + r"gate_proj\.weight: torch\.bfloat16 \[32, 64\], expected packed uint8 \[32, 32\]"),
 ])
 def test_check_export_names_what_is_broken(tiny_release, nvfp4_export, tmp_path, change, message):
     broken = tmp_path / "broken"
