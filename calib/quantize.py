@@ -69,8 +69,6 @@ NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json
                         r"generation_config\.json|hf_quant_config\.json|SHA256SUMS)$")
 # Expert tensors of the thinker's text decoder in either naming layout (docs/nvfp4-format.md §3.4).
 EXPERT_TENSOR = re.compile(r"^(?:thinker\.)?model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
-PER_EXPERT_TENSOR = re.compile(
-    r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -287,10 +285,11 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
                 match = EXPERT_TENSOR.match(key)
                 if match is None:
                     continue
-                per_expert = PER_EXPERT_TENSOR.match(match[2])
+                per_expert = serve_clef.EXPERT_TENSOR.fullmatch(key)  # the loader's reading of expert tensor names
                 if per_expert is None:
                     raise ExportCheckError(f"{shard.name}: {key} is not a packed per-expert tensor (BF16 experts left)")
-                found[int(match[1]), int(per_expert[1]), per_expert[2], per_expert[3]] = (handle, key)
+                found[int(match[1]), int(per_expert["expert"]), per_expert["projection"], per_expert["field"]] = (
+                    handle, key)
 
         tensor_names = ("weight", "weight_scale", "weight_scale_2") + (() if weights_only else ("input_scale",))
         input_scales = {}  # (layer, "gate_up" | "down") -> the scale all experts of the layer share
