@@ -4,7 +4,7 @@
 #   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "accelerate",
-#   "nvidia-modelopt==0.47.*",
+#   "nvidia-modelopt==0.47.0",
 #   "requests",
 #   "safetensors",
 #   "tokenizers",
@@ -64,6 +64,7 @@ warnings.filterwarnings("ignore", r"`torch\.jit\.script(_method)?` is deprecated
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
 # audio tower, the talker or code2wav (docs/nvfp4-format.md §4.2). The joint head is never handed to ModelOpt at all.
 KEEP_BF16 = ("*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*")
+LM_HEAD = "thinker.lm_head"  # kept in BF16 (KEEP_BF16), as the export's module lists name it
 # Release files the exporter writes itself (config.json, generation_config.json) or replaces (the BF16 weights).
 NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|config\.json|"
                         r"generation_config\.json|hf_quant_config\.json|SHA256SUMS)$")
@@ -231,9 +232,25 @@ def export(backbone, clef, release_dir: Path, out_dir: Path) -> None:
         export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
     finally:
         config_logger.removeFilter(_without_torch_dtype_deprecation)
+    list_lm_head_as_unquantized(out_dir)
     for source in sorted(release_dir.iterdir()):
         if source.is_file() and not NOT_COPIED.match(source.name):
             shutil.copy2(source, out_dir / source.name)
+
+
+def list_lm_head_as_unquantized(out_dir: Path) -> None:
+    """Add the thinker's LM head to the export's lists of unquantized modules. ModelOpt lists every module it left
+    unquantized, but the LM head was not in the model while it quantized (ClefModel scores with the output embeddings
+    in its place), so it went unlisted, and a reader that takes unlisted modules for quantized (vLLM's ModelOpt
+    loader) would look for NVFP4 tensors of a BF16 `thinker.lm_head.weight`. Both files keep ModelOpt's formatting
+    (json.dumps with an indent of 4, no newline at the end)."""
+    for path, section, key in ((out_dir / "hf_quant_config.json", "quantization", "exclude_modules"),
+                               (out_dir / "config.json", "quantization_config", "ignore")):
+        metadata = json.loads(path.read_text())
+        unquantized = metadata[section][key]
+        if LM_HEAD not in unquantized:
+            metadata[section][key] = sorted([*unquantized, LM_HEAD])
+            path.write_text(json.dumps(metadata, indent=4))
 
 
 def _sha256(path: Path) -> str:

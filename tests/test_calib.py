@@ -5,6 +5,7 @@ here, the BF16 release's own weights against the §2.1 dequantisation formula, h
 """
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import math
@@ -132,6 +133,11 @@ def test_export_packs_every_expert_of_the_release(tiny_release, nvfp4_export):
     assert any("visual" in m for m in excluded) and any("audio_tower" in m for m in excluded)
 
     exported, release = _tensors(nvfp4_export), _tensors(tiny_release)
+    # the LM head stays BF16, and both lists of unquantized modules say so, as for a model ModelOpt saw whole
+    assert exported["thinker.lm_head.weight"].dtype == torch.bfloat16
+    config_ignore = json.loads((nvfp4_export / "config.json").read_text())["quantization_config"]["ignore"]
+    for unquantized in (excluded, config_ignore):
+        assert any(fnmatch.fnmatchcase("thinker.lm_head", pattern) for pattern in unquantized), unquantized
     packed = [name for name, tensor in exported.items() if ".experts." in name and name.endswith(".weight")]
     assert len(packed) == layers * experts * 3 and all(exported[name].dtype == torch.uint8 for name in packed)
     assert not [name for name, tensor in exported.items() if ".experts." in name and tensor.dtype == torch.bfloat16]
