@@ -205,7 +205,7 @@ from typing_extensions import TypeAliasType
 warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 
-# ==== packed experts and their kernels ================================================================================
+# ==== the NVFP4 format: codes, scales, checks =========================================================================
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (docs/nvfp4-format.md §2)
 
@@ -257,6 +257,65 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
 # On CUDA the eager unpack takes ~8 passes over a layer's experts; compiled it is one kernel reading the packed bytes
 # once (bandwidth floor ~0.4 ms per full-size layer on an H200). CPU keeps the eager version.
 unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=False)
+
+
+def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
+    weight_scale_2.
+
+    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
+    """
+    rows, columns = weight.shape
+    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
+    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
+    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
+    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
+    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
+    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
+    codes = codes.view(rows, columns)
+    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
+    return packed_codes, block_scales
+
+
+E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
+
+
+def checked_nvfp4_tensor(
+    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
+    repair_nan_scales: bool,
+) -> tuple[torch.Tensor, int]:
+    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
+    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
+    `repair_nan_scales`) and how many blocks were repaired."""
+
+    def fail(problem: str) -> None:
+        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+    if field == "weight":
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+        return tensor, 0
+    if field == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
+        repaired = int(nan_blocks.sum())
+        if repaired and not repair_nan_scales:
+            fail(
+                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
+                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
+                "448 (the largest e4m3 value)"
+            )
+        if repaired:
+            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
+        return tensor, repaired
+    if tensor.dtype != torch.float32 or tensor.numel() != 1:
+        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+    value = tensor.reshape(())
+    if not torch.isfinite(value) or value <= 0:
+        fail(f"scale {value.item()} must be finite and positive")
+    return value, 0
 
 
 # ==== activation replay (faithful W4A4) ===============================================================================
@@ -1307,45 +1366,7 @@ def nvfp4_grouped_mm(activation_codes: torch.Tensor, activation_scales: torch.Te
     )
 
 
-E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
-
-
-def checked_nvfp4_tensor(
-    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
-    repair_nan_scales: bool,
-) -> tuple[torch.Tensor, int]:
-    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
-    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
-    `repair_nan_scales`) and how many blocks were repaired."""
-
-    def fail(problem: str) -> None:
-        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
-    if field == "weight":
-        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
-        return tensor, 0
-    if field == "weight_scale":
-        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
-        repaired = int(nan_blocks.sum())
-        if repaired and not repair_nan_scales:
-            fail(
-                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
-                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
-                "448 (the largest e4m3 value)"
-            )
-        if repaired:
-            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
-        return tensor, repaired
-    if tensor.dtype != torch.float32 or tensor.numel() != 1:
-        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-    value = tensor.reshape(())
-    if not torch.isfinite(value) or value <= 0:
-        fail(f"scale {value.item()} must be finite and positive")
-    return value, 0
-
+# ==== the packed experts module =======================================================================================
 
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory as on disk, in transformers' fused order (for the gluon
@@ -2359,25 +2380,6 @@ def store_bf16_expert(
             "hf_quant_config.json or config.json's quantization_config"
         )
     target.copy_(weight)
-
-
-def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
-    weight_scale_2.
-
-    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
-    """
-    rows, columns = weight.shape
-    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
-    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
-    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
-    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
-    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
-    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
-    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
-    codes = codes.view(rows, columns)
-    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
-    return packed_codes, block_scales
 
 
 def quantize_experts_to_nvfp4(
