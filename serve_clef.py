@@ -42,6 +42,7 @@ import hmac
 import html
 import http
 import importlib.util
+import inspect
 import io
 import itertools
 import json
@@ -204,7 +205,7 @@ from typing_extensions import TypeAliasType
 warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 
-# ==== packed experts and their kernels ================================================================================
+# ==== the NVFP4 format: codes, scales, checks =========================================================================
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (docs/nvfp4-format.md §2)
 
@@ -256,6 +257,65 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
 # On CUDA the eager unpack takes ~8 passes over a layer's experts; compiled it is one kernel reading the packed bytes
 # once (bandwidth floor ~0.4 ms per full-size layer on an H200). CPU keeps the eager version.
 unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=False)
+
+
+def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
+    weight_scale_2.
+
+    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
+    """
+    rows, columns = weight.shape
+    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
+    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
+    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
+    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
+    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
+    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
+    codes = codes.view(rows, columns)
+    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
+    return packed_codes, block_scales
+
+
+E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
+
+
+def checked_nvfp4_tensor(
+    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
+    repair_nan_scales: bool,
+) -> tuple[torch.Tensor, int]:
+    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
+    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
+    `repair_nan_scales`) and how many blocks were repaired."""
+
+    def fail(problem: str) -> None:
+        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+    if field == "weight":
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+        return tensor, 0
+    if field == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
+        repaired = int(nan_blocks.sum())
+        if repaired and not repair_nan_scales:
+            fail(
+                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
+                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
+                "448 (the largest e4m3 value)"
+            )
+        if repaired:
+            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
+        return tensor, repaired
+    if tensor.dtype != torch.float32 or tensor.numel() != 1:
+        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+    value = tensor.reshape(())
+    if not torch.isfinite(value) or value <= 0:
+        fail(f"scale {value.item()} must be finite and positive")
+    return value, 0
 
 
 # ==== activation replay (faithful W4A4) ===============================================================================
@@ -1411,45 +1471,7 @@ def nvfp4_grouped_mm(activation_codes: torch.Tensor, activation_scales: torch.Te
     )
 
 
-E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
-
-
-def checked_nvfp4_tensor(
-    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
-    repair_nan_scales: bool,
-) -> tuple[torch.Tensor, int]:
-    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
-    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
-    `repair_nan_scales`) and how many blocks were repaired."""
-
-    def fail(problem: str) -> None:
-        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
-    if field == "weight":
-        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
-        return tensor, 0
-    if field == "weight_scale":
-        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
-        repaired = int(nan_blocks.sum())
-        if repaired and not repair_nan_scales:
-            fail(
-                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
-                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
-                "448 (the largest e4m3 value)"
-            )
-        if repaired:
-            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
-        return tensor, repaired
-    if tensor.dtype != torch.float32 or tensor.numel() != 1:
-        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-    value = tensor.reshape(())
-    if not torch.isfinite(value) or value <= 0:
-        fail(f"scale {value.item()} must be finite and positive")
-    return value, 0
-
+# ==== the packed experts module =======================================================================================
 
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory as on disk, in transformers' fused order (for the gluon
@@ -1940,6 +1962,24 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
         ) from error
 
 
+def read_checkpoint_json(path: Path) -> dict:
+    """A checkpoint's JSON metadata file, which must hold an object; a damaged download or a hand edit gets a one-line
+    refusal naming the file, not the parser's traceback."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, or not JSON
+        raise CheckpointError(f"{path} cannot be read as JSON ({error}): download or export it again") from None
+    return metadata_object(value, str(path))
+
+
+def metadata_object(value: Any, where: str) -> dict:
+    """`value` if it is a JSON object, else a one-line refusal naming where it was read."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where} holds {type(value).__name__} {str(value)[:80]!r} where a JSON object belongs: "
+                              "download or export the checkpoint again")
+    return value
+
+
 def served_algo(algo: Any, group_size: Any, where: str) -> str:
     """A ModelOpt quant_algo (any case) that serve_clef serves, upper-cased; else a one-line refusal."""
     if str(algo).upper() not in SERVED_QUANT_ALGOS or group_size not in (None, 16):
@@ -1956,10 +1996,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
     excluded = tuple(quantization.get("exclude_modules", quantization.get("ignore")) or ())
     algo = str(quantization.get("quant_algo")).upper()
     if algo == "MIXED_PRECISION":
-        layer_algos = {
-            module: served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
-            for module, layer in (quantization.get("quantized_layers") or {}).items()
-        }
+        layer_algos = {}
+        layers = metadata_object(quantization.get("quantized_layers") or {}, f"{source}: quantized_layers")
+        for module, layer in layers.items():
+            layer = metadata_object(layer, f"{source}: quantized_layers.{module}")
+            layer_algos[module] = served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
         expert_algos = {algo for module, algo in layer_algos.items() if EXPERT_MODULE.search(module)}
         if len(expert_algos) > 1:
             raise CheckpointError(f"{source}: its experts mix {' and '.join(sorted(expert_algos))}, which is not "
@@ -1967,8 +2008,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
         return CheckpointQuantization(CheckpointFormat.MODELOPT_MIXED_PRECISION, source, producer_name, excluded,
                                       layer_algos=layer_algos, experts_algo=next(iter(expert_algos), None))
     group_size = quantization.get("group_size")
-    for group in (quantization.get("config_groups") or {}).values():
-        group_size = group.get("weights", {}).get("group_size", group_size)
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        group_size = weights.get("group_size", group_size)
     algo = served_algo(quantization.get("quant_algo"), group_size, source)
     return CheckpointQuantization(CheckpointFormat("modelopt:" + algo), source, producer_name, excluded,
                                   target_algos=((("Linear",), algo),), experts_algo=algo)
@@ -1981,20 +2025,30 @@ def compressed_tensors_quantization(quantization: dict, source: str) -> Checkpoi
         raise CheckpointError(f"{source}: quantization_status {quantization['quantization_status']!r}, the weights "
                               "are not packed; serve a compressed (saved with save_compressed) checkpoint")
     target_algos = []
-    for group_name, group in (quantization.get("config_groups") or {}).items():
-        weights, activations = group.get("weights") or {}, group.get("input_activations")
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        activations = group.get("input_activations")
         group_format = group.get("format") or quantization.get("format")
         nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16}
+        # NVFP4's scheme: a global scale over the group scales (strategy tensor_group), symmetric, weights static
+        nvfp4_scheme = {"strategy": "tensor_group", "symmetric": True}
         served = (
             group_format == "nvfp4-pack-quantized"
             and nvfp4.items() <= weights.items()
-            and (activations is None or (nvfp4 | {"dynamic": "local"}).items() <= activations.items())
+            and all(weights.get(key, value) == value for key, value in (nvfp4_scheme | {"dynamic": False}).items())
+            and (activations is None or (isinstance(activations, dict)
+                                         and (nvfp4 | {"dynamic": "local"}).items() <= activations.items()
+                                         and all(activations.get(key, value) == value
+                                                 for key, value in nvfp4_scheme.items())))
         )
         if not served:
             raise CheckpointError(
                 f"{source}: config group {group_name} (format {group_format!r}, weights {weights.get('num_bits')}-bit "
-                f"{weights.get('type')}, input activations {'none' if activations is None else activations}) is not "
-                "served; serve_clef serves nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16"
+                f"{weights.get('type')} strategy {weights.get('strategy')!r}, input activations "
+                f"{'none' if activations is None else activations}) is not served; serve_clef serves "
+                "nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16, strategy tensor_group"
             )
         target_algos.append((tuple(group.get("targets") or ()), "W4A16_NVFP4" if activations is None else "NVFP4"))
     algos = {algo for _, algo in target_algos}
@@ -2018,18 +2072,22 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                 f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a quantized export needs the "
                 "release's joint_head*, tokenizer and processor files copied beside it)"
             )
+    config = read_checkpoint_json(checkpoint_dir / "config.json")  # read here first: transformers' reader would crash
     quant_config_path = checkpoint_dir / "hf_quant_config.json"
     if quant_config_path.exists():
-        hf_quant_config = json.loads(quant_config_path.read_text())
-        return modelopt_quantization(hf_quant_config["quantization"], hf_quant_config.get("producer"),
-                                     str(quant_config_path))
-    config = json.loads((checkpoint_dir / "config.json").read_text())
+        hf_quant_config = read_checkpoint_json(quant_config_path)
+        producer = hf_quant_config.get("producer")
+        return modelopt_quantization(
+            metadata_object(hf_quant_config.get("quantization"), f"{quant_config_path}: quantization"),
+            None if producer is None else metadata_object(producer, f"{quant_config_path}: producer"),
+            str(quant_config_path))
     thinker_config = config.get("thinker_config") or {}
     quantization = (config.get("quantization_config") or thinker_config.get("quantization_config")
                     or (thinker_config.get("text_config") or {}).get("quantization_config"))
     source = f"{checkpoint_dir / 'config.json'} quantization_config"
     if quantization is None:
         return CheckpointQuantization(CheckpointFormat.BF16)
+    quantization = metadata_object(quantization, source)
     if quantization.get("quant_method") == "modelopt":
         return modelopt_quantization(quantization, quantization.get("producer"), source)
     if quantization.get("quant_method") == "compressed-tensors":
@@ -2193,7 +2251,8 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
     """Every thinker tensor of a safetensors checkpoint as (name on disk, tensor on CPU), one shard at a time."""
     index_path = checkpoint_dir / "model.safetensors.index.json"
     if index_path.exists():
-        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        weight_map = metadata_object(read_checkpoint_json(index_path).get("weight_map"), f"{index_path}: weight_map")
+        shards = sorted(set(weight_map.values()))
     else:
         shards = ["model.safetensors"]
     for shard in shards:
@@ -2323,6 +2382,13 @@ def load_thinker_weights(
             projection = expert_match["projection"]
             if expert >= num_experts:
                 raise CheckpointError(f"checkpoint tensor {checkpoint_name}: the model has only {num_experts} experts")
+            if kind.quantized and not nvfp4_part and quantization.algo_of(module_on_disk) is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name}: {tensor.dtype} expert weights in a quantized export, "
+                    f"whose {quantization.source} leaves {module_on_disk} unquantized; "
+                    "serve_clef serves quantized exports whose experts are all NVFP4: quantize every layer's experts, "
+                    "or serve the BF16 release"
+                )
             if not kind.quantized:
                 store_bf16_expert(experts[experts_name], expert, projection, field, tensor, checkpoint_name)
                 bf16_experts_filled.add((experts_name, expert, projection))
@@ -2424,25 +2490,6 @@ def store_bf16_expert(
             "hf_quant_config.json or config.json's quantization_config"
         )
     target.copy_(weight)
-
-
-def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
-    weight_scale_2.
-
-    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
-    """
-    rows, columns = weight.shape
-    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
-    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
-    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
-    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
-    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
-    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
-    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
-    codes = codes.view(rows, columns)
-    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
-    return packed_codes, block_scales
 
 
 def quantize_experts_to_nvfp4(
@@ -2669,11 +2716,18 @@ def load_clef(
             if expert_kernels == "native":
                 experts.to_native_order()
 
-    head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
+    head_config_path = checkpoint_dir / "joint_head_config.json"
+    head_config = read_checkpoint_json(head_config_path)
+    head_signature = inspect.signature(schema.JointSchemaHead)
+    try:
+        head_signature.bind(**head_config)
+    except TypeError as error:  # a key the constructor does not take, or one it needs missing
+        raise CheckpointError(f"{head_config_path}: {error}; its keys are the joint head's arguments "
+                              f"({', '.join(head_signature.parameters)}): copy it from the release") from None
     if head_config["hidden_size"] != text_config.hidden_size:
         raise CheckpointError(
-            f"{checkpoint_dir}/joint_head_config.json: hidden_size {head_config['hidden_size']} differs from the "
-            f"thinker's text hidden size {text_config.hidden_size}; the joint head belongs to another model"
+            f"{head_config_path}: hidden_size {head_config['hidden_size']} differs from the thinker's text hidden size "
+            f"{text_config.hidden_size}; the joint head belongs to another model"
         )
     head = schema.JointSchemaHead(**head_config)
     try:
@@ -2746,9 +2800,10 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # H200). So the decoder's layers are compiled (torch.compile fuses their small elementwise kernels) and the packed
 # decoder runs from CUDA graphs captured at load, two per bucket of packed lengths (several records, one): the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
-# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
-# embedding merge stay eager, and so does the packed decoder for batches longer than the largest bucket. Nothing in
-# the graphed part reads a GPU value on the host.
+# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers replay
+# graphs of their layers (TowerLayerStep, below); their code around those layers and the embedding merge stay eager,
+# and so does the packed decoder for batches longer than the largest bucket. Nothing in the graphed part reads a GPU
+# value on the host.
 
 # Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
 # ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
@@ -3078,7 +3133,7 @@ class HostEmbedding(torch.nn.Module):
     decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, from the
     host copy of the token ids (host_values); and the output embeddings (the lm_head's weight), of which
     the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
-    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free per table."""
+    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (152,064 x 2,048 in BF16) free per table."""
 
     def __init__(self, embedding: torch.nn.Module):  # an nn.Embedding or nn.Linear: its weight [V, H] is the table
         super().__init__()
@@ -3619,6 +3674,9 @@ MAX_AUDIO_SECONDS = 300  # per clip, and per video soundtrack
 # The audio feature extractor reflect-pads each clip by half its 400-sample FFT window, which needs more than 200
 # samples at 16 kHz; 13 ms (208 samples) leaves room for the resampler's rounding of clips recorded at other rates.
 MIN_AUDIO_SECONDS = 0.013
+# A video's soundtrack whose packets last this long or more decodes to more than MIN_AUDIO_SECONDS whatever its codec's
+# priming drops (AAC's 2,112 samples, Opus's 80 ms), so only a shorter one is decoded to be measured (_check_video)
+SOUNDTRACK_PACKETS_SURELY_LONG_S = 1.0
 AUDIO_SAMPLE_RATE = 16_000  # the decision module's load_audio gives samples at this rate
 # FFmpeg reads up to 5 MB of a clip when it opens it, to find what the WAV or MP3 header states already (about 5 ms
 # per open of a 10 s WAV on the H200's host); the length checks read the headers and frames only.
@@ -3789,6 +3847,22 @@ def _asset_item(placeholder: str, asset: Any) -> MediaItem:
     if not isinstance(asset.get("data_base64"), str):
         raise _invalid((*media.loc, "data_base64"), f"{media.name} needs the image as a base64 string in data_base64")
     return media._replace(base64_text=asset["data_base64"])
+
+
+def parse_request_json(text: str | bytes) -> Any:
+    """A request's JSON text parsed as Python's json parses it, except that an integer beyond a 64-bit float's range
+    (more than 1.8e308 in magnitude) becomes ±infinity, as it does in clients that read JSON numbers as floats, and is
+    refused with 400 naming its field (refuse_unrepresentable_values) like 1e999; Python alone would keep one of up to
+    4,300 digits and fail the whole body on a longer one, with a message about its own digit limit."""
+
+    def integer(digits: str) -> int | float:
+        if len(digits.lstrip("-")) <= len(str(int(sys.float_info.max))):
+            value = int(digits)
+            if abs(value) <= sys.float_info.max:
+                return value
+        return -math.inf if digits.startswith("-") else math.inf
+
+    return json.loads(text, parse_int=integer)
 
 
 def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
@@ -3992,9 +4066,12 @@ def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) 
 
 def _check_video(media: MediaItem, data: bytes) -> None:
     """Refuse a video that is not MP4 or WebM or that breaks a limit, without decoding it: the frame size, aspect
-    ratio and durations come from the headers, the frame count and timestamps from its packets, and only its first
-    frame (to see that one decodes, at the size declared) and its soundtrack (counted against the audio limit, before
-    resampling) are decoded. The decision module decodes the frames it samples when it encodes the record."""
+    ratio and durations come from the headers, the frame count, timestamps and the soundtrack's length from its
+    packets, and only its first frame is decoded (to see that one decodes, at the size declared). The decision module
+    decodes the frames it samples, and the soundtrack, when it encodes the record. Packets decode to at most their
+    durations, less the codec's priming (tens of ms), so a soundtrack is decoded here, and counted exactly against the
+    audio limit before resampling, only when its packets pass that limit, state no duration, or come to less than
+    SOUNDTRACK_PACKETS_SURELY_LONG_S (where the priming could leave less than the audio encoder's window)."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_formats = container.format.name.split(",")
@@ -4014,10 +4091,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
             if declared > MAX_AUDIO_SECONDS:
                 raise _invalid(media.loc, f"{media.name} has a soundtrack of {declared:.1f} s by its header; "
                                f"soundtracks count against the audio limit of {MAX_AUDIO_SECONDS} s per clip")
-            frames, first_frame, sound_seconds = 0, None, 0.0
+            frames, first_frame = 0, None
+            sound_duration = 0 if soundtrack is not None and soundtrack.time_base is not None else None  # time base
             for packet in container.demux([video] + ([soundtrack] if soundtrack is not None else [])):
                 if packet.stream is soundtrack:
-                    sound_seconds = _decoded_seconds(packet.decode(), sound_seconds, media, "has a soundtrack of")
+                    if packet.size and sound_duration is not None:  # size 0: the demuxer's end-of-stream marker
+                        sound_duration = sound_duration + packet.duration if packet.duration else None
                     continue
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
@@ -4038,6 +4117,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
                 first_frame = next(iter(video.codec_context.decode(None)), None)
                 if first_frame is not None:
                     _refuse_picture_size(media, first_frame.width, first_frame.height, "frame")
+            sound_seconds = None if sound_duration is None else float(sound_duration * soundtrack.time_base)
+        if soundtrack is not None and not (
+                sound_seconds is not None and SOUNDTRACK_PACKETS_SURELY_LONG_S <= sound_seconds <= MAX_AUDIO_SECONDS):
+            with av.open(io.BytesIO(data)) as container:
+                sound_seconds = _decoded_seconds(container.decode(container.streams.audio[0]), 0.0, media,
+                                                 "has a soundtrack of")
     except (av.FFmpegError, ValueError) as error:
         raise _undecodable(media, "a video", error) from None
     if first_frame is None:
@@ -4803,7 +4888,7 @@ async def read_json_body(request: Request) -> Any:
         body, parts = await read_multipart_body(content_type, bytes(body))
 
     try:
-        parsed = json.loads(body)  # NaN and ±Infinity literals parse, to be refused with 400 naming their field
+        parsed = parse_request_json(body)  # NaN, ±Infinity and overflowing numbers parse, to be refused with 400
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         # FastAPI's shape for a body that does not parse: 422, json_invalid, located at the character where it broke
         position = getattr(error, "pos", getattr(error, "start", None))
@@ -5028,7 +5113,7 @@ def answer_once(args: argparse.Namespace) -> int:
     request = DEMO_REQUEST
     if args.request:
         try:
-            request = json.loads(Path(args.request).read_text(encoding="utf-8"))
+            request = parse_request_json(Path(args.request).read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             console(f"serve_clef: cannot read the request file {args.request}: {error}")
             return 2

@@ -5,6 +5,7 @@ here, the BF16 release's own weights against the §2.1 dequantisation formula, h
 """
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import math
@@ -132,6 +133,11 @@ def test_export_packs_every_expert_of_the_release(tiny_release, nvfp4_export):
     assert any("visual" in m for m in excluded) and any("audio_tower" in m for m in excluded)
 
     exported, release = _tensors(nvfp4_export), _tensors(tiny_release)
+    # the LM head stays BF16, and both lists of unquantized modules say so, as for a model ModelOpt saw whole
+    assert exported["thinker.lm_head.weight"].dtype == torch.bfloat16
+    config_ignore = json.loads((nvfp4_export / "config.json").read_text())["quantization_config"]["ignore"]
+    for unquantized in (excluded, config_ignore):
+        assert any(fnmatch.fnmatchcase("thinker.lm_head", pattern) for pattern in unquantized), unquantized
     packed = [name for name, tensor in exported.items() if ".experts." in name and name.endswith(".weight")]
     assert len(packed) == layers * experts * 3 and all(exported[name].dtype == torch.uint8 for name in packed)
     assert not [name for name, tensor in exported.items() if ".experts." in name and tensor.dtype == torch.bfloat16]
@@ -235,11 +241,11 @@ def _unpacked_weight(tensors):
 
 
 @pytest.mark.parametrize("change, message", [
-    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: NaN scale byte at \[5, 1\]"),
+    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: 1 NaN block scales \(bytes 0x7F/0xFF\)"),
     (_drop_expert, r"layer 1 expert 3 gate_proj: weight missing"),
-    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: 0\.0 is not a finite positive scale"),
+    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: scale 0\.0 must be finite and positive"),
     (_bf16_experts_left, r"thinker\.model\.layers\.0\.mlp\.experts\.gate_up_proj is not a packed per-expert tensor"),
-    (_unpacked_weight, EXPERT + r"gate_proj\.weight: BF16 \[32, 64\], expected packed U8"),
+    (_unpacked_weight, EXPERT + r"gate_proj\.weight: torch\.bfloat16 \[32, 64\], expected packed uint8 \[32, 32\]"),
 ])
 def test_check_export_names_what_is_broken(tiny_release, nvfp4_export, tmp_path, change, message):
     broken = tmp_path / "broken"
@@ -329,6 +335,19 @@ def test_parity_report_against_an_independent_recomputation(tiny_release, nvfp4_
     floor = report["noise_floor"]
     assert sorted(floor["experts_implementations"]) == ["eager", "grouped_mm"]
     assert floor["questions"] == len(questions)
+
+    # the weights' memory: the release's tensor bytes on disk (the talker's left out, the joint head's in), plus the
+    # buffers the model computes at load (rotary frequencies, the audio tower's positions), which no file holds
+    on_disk = 0
+    for shard in tiny_release.glob("*.safetensors"):
+        with safetensors.safe_open(shard, "pt") as tensors:
+            on_disk += sum(tensors.get_tensor(name).nbytes for name in tensors.keys()
+                           if not serve_clef.is_talker_tensor(name))
+    model = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                      progress=lambda message: None).model
+    computed = sum(buffer.nbytes for name, buffer in model.named_buffers() if name not in model.state_dict())
+    assert report["reference"]["memory_gib"] == {"weights": (on_disk + computed) / 2**30, "peak": None}  # on CPU
+    assert 0 < report["candidate"]["memory_gib"]["weights"] < report["reference"]["memory_gib"]["weights"]
 
 
 def _scored(question_id: str, option_ids: list[str], probabilities: list[float]) -> dict:

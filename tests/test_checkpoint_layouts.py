@@ -550,3 +550,19 @@ def test_modelopt_export_converted_by_compressed_tensors_loads_with_inverted_sca
         # The scales are the export's to one float32 rounding, which moves a few activations' FP4 roundings and so
         # the BF16 logits by a rounding step or two: up to ~0.005 of a probability through the batched joint head.
         torch.testing.assert_close(got, expected, rtol=0, atol=0.01)
+
+
+def test_experts_an_export_left_in_bf16_are_refused_naming_the_layer(nvfp4_export, tiny_release, tmp_path):
+    """An export that excludes one layer's experts from quantization writes them in BF16, one matrix per expert, as
+    the release holds them: refused in one line that says so, not as a tensor of the wrong dtype."""
+    tensors, hf_quant_config, _ = checkpoint_files(nvfp4_export)
+    release = dict(serve_clef.checkpoint_tensors(tiny_release))
+    prefix = "thinker.model.layers.1.mlp.experts."
+    tensors = {name: tensor for name, tensor in tensors.items() if not name.startswith(prefix)}
+    tensors |= {name: tensor for name, tensor in release.items() if name.startswith(prefix)}
+    hf_quant_config["quantization"]["exclude_modules"].append("thinker.model.layers.1.mlp.experts*")
+    checkpoint = write_checkpoint(nvfp4_export, tmp_path / "partly", tensors, hf_quant_config)
+    refusal = (r"layers\.1\.mlp\.experts\.\d+\.\w+_proj\.weight: torch\.bfloat16 expert weights in a quantized "
+               r"export, .* serves quantized exports whose experts are all NVFP4")
+    with pytest.raises(serve_clef.CheckpointError, match=refusal):
+        load(checkpoint)

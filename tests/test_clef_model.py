@@ -321,3 +321,18 @@ def test_head_with_a_missing_parameter_is_named(tiny_release, tmp_path):
     safetensors.torch.save_file(head, release / "joint_head.safetensors")
     with pytest.raises(RuntimeError, match="residual_gate"):
         jsm.load_release_model(release, device="cpu")
+
+
+def test_a_head_config_for_another_hidden_size_is_refused(tiny_release, tmp_path):
+    """The spec's check: the head's hidden_size must be the thinker's text hidden size (config.json)."""
+    release = tmp_path / "release"
+    copy_release(tiny_release, release)
+    head_config = json.loads((release / "joint_head_config.json").read_text())
+    thinker_hidden_size = json.loads((release / "config.json").read_text())["thinker_config"]["text_config"][
+        "hidden_size"]
+    assert head_config["hidden_size"] == thinker_hidden_size
+    head_config["hidden_size"] = thinker_hidden_size * 2
+    (release / "joint_head_config.json").write_text(json.dumps(head_config))
+    with pytest.raises(ValueError, match=rf"hidden_size {thinker_hidden_size * 2} differs from the thinker's "
+                                         rf"{thinker_hidden_size}"):
+        jsm.load_release_model(release, device="cpu")

@@ -424,6 +424,11 @@ def test_bodies_that_are_not_json_objects_get_422(server, body):
         (b'{"model": "m", "state": Infinity, "questions": {"ok": {"type": "noul"}}}', "state"),
         (b'{"model": "m", "state": "s", "questions": {"ok": {"type": "score", "criteria": [-Infinity, "b"]}}}',
          "questions.ok.criteria.0"),
+        # integers past a 64-bit float's range (1.8e308) overflow as 1e999 does, whatever Python's int could hold
+        (b'{"model": "m", "state": {"id": ' + b"9" * 400 + b'}, "questions": {"ok": {"type": "noul"}}}', "state.id"),
+        (b'{"model": "m", "state": [1, -' + b"7" * 5000 + b'], "questions": {"ok": {"type": "noul"}}}', "state.1"),
+        (b'{"model": "m", "state": {"n": ' + str(int(sys.float_info.max) + 1).encode() + b'}, "questions": {"ok": '
+         b'{"type": "noul"}}}', "state.n"),
     ],
 )
 def test_non_finite_numbers_and_lone_surrogates_get_400_naming_the_field(server, body, field):
@@ -432,6 +437,12 @@ def test_non_finite_numbers_and_lone_surrogates_get_400_naming_the_field(server,
     assert response_body["detail"]["error_type"] == "invalid_json"
     assert response_body["detail"]["message"].startswith(field + ": ")
     assert post(server, GOOD_REQUEST).status_code == 200
+
+
+def test_the_largest_integer_a_float_holds_is_answered(server):
+    body = (b'{"model": "m", "state": {"n": ' + str(int(sys.float_info.max)).encode() + b'}, "questions": {"ok": '
+            b'{"type": "noul"}}}')
+    assert post(server, body, {"Content-Type": "application/json"}).status_code == 200
 
 
 def test_a_body_nested_as_deep_as_json_allows_is_answered_not_crashed(server):
@@ -776,6 +787,8 @@ def test_request_file_is_answered(tmp_path, processor, server):
         ("{not json", "cannot read the request file"),
         ('{"model": "m", "state": {"n": NaN}, "questions": {"q": {"type": "noul"}}}', "HTTP 400: state.n: NaN"),
         ('{"model": "m", "state": "a \\ud800 b", "questions": {"q": {"type": "noul"}}}', "state: text with a lone"),
+        ('{"model": "m", "state": {"n": ' + "9" * 5000 + '}, "questions": {"q": {"type": "noul"}}}',
+         "HTTP 400: state.n: Infinity, or a number too large"),
     ],
 )
 def test_bad_request_file_exits_2_with_one_line(tmp_path, content, phrase):
