@@ -373,6 +373,17 @@ def test_compare_on_hand_computed_probabilities():
         parity.compare(reference, candidate[:1] + [_scored("b", ["u", "v"], [0.5, 0.5])])
 
 
+def test_nan_probabilities_fail_the_gates():
+    """A candidate whose probabilities are NaN (a broken kernel) fails the parity gates and shows NaN in its
+    statistics, rather than passing every `<`/`>` comparison."""
+    reference = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [0.4, 0.6])]
+    candidate = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [math.nan, math.nan])]
+    stats = parity.compare(reference, candidate)
+    assert math.isnan(stats["max_abs_dp"]) and math.isnan(stats["mean_tv"])
+    verdict = parity.judge(stats, synthetic_sides=[])
+    assert verdict["verdict"] == "fail" and any("mean_tv" in failure for failure in verdict["failed_gates"])
+
+
 def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_path):
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
