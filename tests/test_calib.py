@@ -84,7 +84,9 @@ def test_records_are_deterministic_disjoint_and_follow_the_recipe():
 
 def test_records_encode_with_the_release_processor(tiny_release):
     processor = joint_schema_model.load_processor(tiny_release)
-    for record in calibration_records(40):  # the first 40 hold an image, audio and a video
+    records = calibration_records(40)
+    assert all(any(field in record for record in records) for field in ("images", "audio", "videos"))
+    for record in records:
         encoded = joint_schema_model.encode_record(processor.tokenizer, record, processor=processor)
         assert len(encoded.questions) == len(record["questions"])
         assert (encoded.media is not None) == any(key in record for key in ("images", "audio", "videos"))
