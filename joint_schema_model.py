@@ -691,7 +691,15 @@ def load_release_model(model_path, device="cuda", dtype=torch.bfloat16, **from_p
     problems = {kind: keys for kind, keys in problems.items() if keys}
     if problems:
         raise RuntimeError(f"Clef-Omni weights did not load cleanly: {problems}")
-    head = JointSchemaHead(**json.loads((path / "joint_head_config.json").read_text()))
+    head_config = json.loads((path / "joint_head_config.json").read_text())
+    thinker_hidden_size = config.thinker_config.text_config.hidden_size
+    if head_config["hidden_size"] != thinker_hidden_size:
+        raise ValueError(
+            f"joint_head_config.json: hidden_size {head_config['hidden_size']} differs from the thinker's "
+            f"{thinker_hidden_size} (config.json thinker_config.text_config.hidden_size): the head reads the "
+            "thinker's hidden states, so both files must come from one release"
+        )
+    head = JointSchemaHead(**head_config)
     head.load_state_dict(safetensors.torch.load_file(path / "joint_head.safetensors"), strict=True)
     head.to(device=device, dtype=dtype)
     processor = load_processor(path)

@@ -42,6 +42,7 @@ import hmac
 import html
 import http
 import importlib.util
+import inspect
 import io
 import itertools
 import json
@@ -204,7 +205,7 @@ from typing_extensions import TypeAliasType
 warnings.filterwarnings("ignore", r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, r"torch\.jit\.")
 
 
-# ==== packed experts and their kernels ================================================================================
+# ==== the NVFP4 format: codes, scales, checks =========================================================================
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign (docs/nvfp4-format.md §2)
 
@@ -256,6 +257,65 @@ def unpack_nvfp4(packed_codes: torch.Tensor, block_scales: torch.Tensor, global_
 # On CUDA the eager unpack takes ~8 passes over a layer's experts; compiled it is one kernel reading the packed bytes
 # once (bandwidth floor ~0.4 ms per full-size layer on an H200). CPU keeps the eager version.
 unpack_nvfp4_compiled = torch.compile(unpack_nvfp4, fullgraph=True, dynamic=False)
+
+
+def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
+    weight_scale_2.
+
+    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
+    """
+    rows, columns = weight.shape
+    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
+    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
+    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
+    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
+    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
+    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
+    codes = codes.view(rows, columns)
+    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
+    return packed_codes, block_scales
+
+
+E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
+
+
+def checked_nvfp4_tensor(
+    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
+    repair_nan_scales: bool,
+) -> tuple[torch.Tensor, int]:
+    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
+    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
+    `repair_nan_scales`) and how many blocks were repaired."""
+
+    def fail(problem: str) -> None:
+        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
+
+    if field == "weight":
+        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
+        return tensor, 0
+    if field == "weight_scale":
+        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
+            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
+        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
+        repaired = int(nan_blocks.sum())
+        if repaired and not repair_nan_scales:
+            fail(
+                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
+                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
+                "448 (the largest e4m3 value)"
+            )
+        if repaired:
+            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
+        return tensor, repaired
+    if tensor.dtype != torch.float32 or tensor.numel() != 1:
+        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
+    value = tensor.reshape(())
+    if not torch.isfinite(value) or value <= 0:
+        fail(f"scale {value.item()} must be finite and positive")
+    return value, 0
 
 
 # ==== activation replay (faithful W4A4) ===============================================================================
@@ -1379,45 +1439,7 @@ def nvfp4_grouped_mm(activation_codes: torch.Tensor, activation_scales: torch.Te
     )
 
 
-E4M3_MAX_BYTE = 0x7E  # 448, the largest finite float8_e4m3fn value
-
-
-def checked_nvfp4_tensor(
-    field: str, tensor: torch.Tensor, out_features: int, in_features: int, checkpoint_name: str,
-    repair_nan_scales: bool,
-) -> tuple[torch.Tensor, int]:
-    """One tensor of an NVFP4 linear [out_features, in_features] in ModelOpt's convention (docs/nvfp4-format.md §2),
-    checked as it arrives: the tensor to keep (a scale as a 0-d tensor; NaN block scales set to 448 when
-    `repair_nan_scales`) and how many blocks were repaired."""
-
-    def fail(problem: str) -> None:
-        raise CheckpointError(f"checkpoint tensor {checkpoint_name}: {problem}")
-
-    if field == "weight":
-        if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (out_features, in_features // 2):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected packed uint8 {[out_features, in_features // 2]}")
-        return tensor, 0
-    if field == "weight_scale":
-        if tensor.dtype != torch.float8_e4m3fn or tuple(tensor.shape) != (out_features, in_features // 16):
-            fail(f"{tensor.dtype} {list(tensor.shape)}, expected float8_e4m3fn {[out_features, in_features // 16]}")
-        nan_blocks = (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
-        repaired = int(nan_blocks.sum())
-        if repaired and not repair_nan_scales:
-            fail(
-                f"{repaired} NaN block scales (bytes 0x7F/0xFF), which ModelOpt before 0.45 wrote where a block's "
-                "scale overflowed: re-export with nvidia-modelopt>=0.45, or pass --repair-nan-scales to load them as "
-                "448 (the largest e4m3 value)"
-            )
-        if repaired:
-            tensor = tensor.view(torch.uint8).masked_fill(nan_blocks, E4M3_MAX_BYTE).view(torch.float8_e4m3fn)
-        return tensor, repaired
-    if tensor.dtype != torch.float32 or tensor.numel() != 1:
-        fail(f"{tensor.dtype} {list(tensor.shape)}, expected a float32 scalar")
-    value = tensor.reshape(())
-    if not torch.isfinite(value) or value <= 0:
-        fail(f"scale {value.item()} must be finite and positive")
-    return value, 0
-
+# ==== the packed experts module =======================================================================================
 
 class PackedNVFP4Experts(torch.nn.Module):
     """One layer's experts kept NVFP4-packed in device memory as on disk, in transformers' fused order (for the gluon
@@ -1844,10 +1866,6 @@ SERVED_FORMATS = ("BF16 releases, ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION
 # tensors: on the H200's 16-CPU host, torch's default of one thread per CPU prepared an image 1.6x, a sound 2.1x and a
 # video 1.1x slower than 8 threads did, with the same tensors out (docs/benchmarks.md, 2026-12-03 19:27 UTC).
 PREPARATION_CPU_THREADS = 8
-WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
-# A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
-# the capture of its layers' graphs needs.
-WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(16_000, dtype=np.float32)]}
 
 # The two on-disk name layouts of the thinker's tensors (docs/nvfp4-format.md §3.4), as (hub layout,
 # transformers-internal) prefixes.
@@ -1903,6 +1921,24 @@ def resolve_checkpoint_dir(model_id: str, revision: str | None) -> Path:
         ) from error
 
 
+def read_checkpoint_json(path: Path) -> dict:
+    """A checkpoint's JSON metadata file, which must hold an object; a damaged download or a hand edit gets a one-line
+    refusal naming the file, not the parser's traceback."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, or not JSON
+        raise CheckpointError(f"{path} cannot be read as JSON ({error}): download or export it again") from None
+    return metadata_object(value, str(path))
+
+
+def metadata_object(value: Any, where: str) -> dict:
+    """`value` if it is a JSON object, else a one-line refusal naming where it was read."""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where} holds {type(value).__name__} {str(value)[:80]!r} where a JSON object belongs: "
+                              "download or export the checkpoint again")
+    return value
+
+
 def served_algo(algo: Any, group_size: Any, where: str) -> str:
     """A ModelOpt quant_algo (any case) that serve_clef serves, upper-cased; else a one-line refusal."""
     if str(algo).upper() not in SERVED_QUANT_ALGOS or group_size not in (None, 16):
@@ -1919,10 +1955,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
     excluded = tuple(quantization.get("exclude_modules", quantization.get("ignore")) or ())
     algo = str(quantization.get("quant_algo")).upper()
     if algo == "MIXED_PRECISION":
-        layer_algos = {
-            module: served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
-            for module, layer in (quantization.get("quantized_layers") or {}).items()
-        }
+        layer_algos = {}
+        layers = metadata_object(quantization.get("quantized_layers") or {}, f"{source}: quantized_layers")
+        for module, layer in layers.items():
+            layer = metadata_object(layer, f"{source}: quantized_layers.{module}")
+            layer_algos[module] = served_algo(layer.get("quant_algo"), layer.get("group_size"), f"{source}: {module}")
         expert_algos = {algo for module, algo in layer_algos.items() if EXPERT_MODULE.search(module)}
         if len(expert_algos) > 1:
             raise CheckpointError(f"{source}: its experts mix {' and '.join(sorted(expert_algos))}, which is not "
@@ -1930,8 +1967,11 @@ def modelopt_quantization(quantization: dict, producer: dict | None, source: str
         return CheckpointQuantization(CheckpointFormat.MODELOPT_MIXED_PRECISION, source, producer_name, excluded,
                                       layer_algos=layer_algos, experts_algo=next(iter(expert_algos), None))
     group_size = quantization.get("group_size")
-    for group in (quantization.get("config_groups") or {}).values():
-        group_size = group.get("weights", {}).get("group_size", group_size)
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        group_size = weights.get("group_size", group_size)
     algo = served_algo(quantization.get("quant_algo"), group_size, source)
     return CheckpointQuantization(CheckpointFormat("modelopt:" + algo), source, producer_name, excluded,
                                   target_algos=((("Linear",), algo),), experts_algo=algo)
@@ -1944,20 +1984,30 @@ def compressed_tensors_quantization(quantization: dict, source: str) -> Checkpoi
         raise CheckpointError(f"{source}: quantization_status {quantization['quantization_status']!r}, the weights "
                               "are not packed; serve a compressed (saved with save_compressed) checkpoint")
     target_algos = []
-    for group_name, group in (quantization.get("config_groups") or {}).items():
-        weights, activations = group.get("weights") or {}, group.get("input_activations")
+    groups = metadata_object(quantization.get("config_groups") or {}, f"{source}: config_groups")
+    for group_name, group in groups.items():
+        group = metadata_object(group, f"{source}: config_groups.{group_name}")
+        weights = metadata_object(group.get("weights") or {}, f"{source}: config_groups.{group_name}.weights")
+        activations = group.get("input_activations")
         group_format = group.get("format") or quantization.get("format")
         nvfp4 = {"num_bits": 4, "type": "float", "group_size": 16}
+        # NVFP4's scheme: a global scale over the group scales (strategy tensor_group), symmetric, weights static
+        nvfp4_scheme = {"strategy": "tensor_group", "symmetric": True}
         served = (
             group_format == "nvfp4-pack-quantized"
             and nvfp4.items() <= weights.items()
-            and (activations is None or (nvfp4 | {"dynamic": "local"}).items() <= activations.items())
+            and all(weights.get(key, value) == value for key, value in (nvfp4_scheme | {"dynamic": False}).items())
+            and (activations is None or (isinstance(activations, dict)
+                                         and (nvfp4 | {"dynamic": "local"}).items() <= activations.items()
+                                         and all(activations.get(key, value) == value
+                                                 for key, value in nvfp4_scheme.items())))
         )
         if not served:
             raise CheckpointError(
                 f"{source}: config group {group_name} (format {group_format!r}, weights {weights.get('num_bits')}-bit "
-                f"{weights.get('type')}, input activations {'none' if activations is None else activations}) is not "
-                "served; serve_clef serves nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16"
+                f"{weights.get('type')} strategy {weights.get('strategy')!r}, input activations "
+                f"{'none' if activations is None else activations}) is not served; serve_clef serves "
+                "nvfp4-pack-quantized NVFP4 (W4A4, dynamic local activations) and NVFP4A16, strategy tensor_group"
             )
         target_algos.append((tuple(group.get("targets") or ()), "W4A16_NVFP4" if activations is None else "NVFP4"))
     algos = {algo for _, algo in target_algos}
@@ -1981,18 +2031,22 @@ def checkpoint_quantization(checkpoint_dir: Path) -> CheckpointQuantization:
                 f"{checkpoint_dir} has no {required}: not a Clef-Omni model directory (a quantized export needs the "
                 "release's joint_head*, tokenizer and processor files copied beside it)"
             )
+    config = read_checkpoint_json(checkpoint_dir / "config.json")  # read here first: transformers' reader would crash
     quant_config_path = checkpoint_dir / "hf_quant_config.json"
     if quant_config_path.exists():
-        hf_quant_config = json.loads(quant_config_path.read_text())
-        return modelopt_quantization(hf_quant_config["quantization"], hf_quant_config.get("producer"),
-                                     str(quant_config_path))
-    config = json.loads((checkpoint_dir / "config.json").read_text())
+        hf_quant_config = read_checkpoint_json(quant_config_path)
+        producer = hf_quant_config.get("producer")
+        return modelopt_quantization(
+            metadata_object(hf_quant_config.get("quantization"), f"{quant_config_path}: quantization"),
+            None if producer is None else metadata_object(producer, f"{quant_config_path}: producer"),
+            str(quant_config_path))
     thinker_config = config.get("thinker_config") or {}
     quantization = (config.get("quantization_config") or thinker_config.get("quantization_config")
                     or (thinker_config.get("text_config") or {}).get("quantization_config"))
     source = f"{checkpoint_dir / 'config.json'} quantization_config"
     if quantization is None:
         return CheckpointQuantization(CheckpointFormat.BF16)
+    quantization = metadata_object(quantization, source)
     if quantization.get("quant_method") == "modelopt":
         return modelopt_quantization(quantization, quantization.get("producer"), source)
     if quantization.get("quant_method") == "compressed-tensors":
@@ -2156,7 +2210,8 @@ def checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
     """Every thinker tensor of a safetensors checkpoint as (name on disk, tensor on CPU), one shard at a time."""
     index_path = checkpoint_dir / "model.safetensors.index.json"
     if index_path.exists():
-        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        weight_map = metadata_object(read_checkpoint_json(index_path).get("weight_map"), f"{index_path}: weight_map")
+        shards = sorted(set(weight_map.values()))
     else:
         shards = ["model.safetensors"]
     for shard in shards:
@@ -2286,6 +2341,13 @@ def load_thinker_weights(
             projection = expert_match["projection"]
             if expert >= num_experts:
                 raise CheckpointError(f"checkpoint tensor {checkpoint_name}: the model has only {num_experts} experts")
+            if kind.quantized and not nvfp4_part and quantization.algo_of(module_on_disk) is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {checkpoint_name}: {tensor.dtype} expert weights in a quantized export, "
+                    f"whose {quantization.source} leaves {module_on_disk} unquantized; "
+                    "serve_clef serves quantized exports whose experts are all NVFP4: quantize every layer's experts, "
+                    "or serve the BF16 release"
+                )
             if not kind.quantized:
                 store_bf16_expert(experts[experts_name], expert, projection, field, tensor, checkpoint_name)
                 bf16_experts_filled.add((experts_name, expert, projection))
@@ -2387,25 +2449,6 @@ def store_bf16_expert(
             "hf_quant_config.json or config.json's quantization_config"
         )
     target.copy_(weight)
-
-
-def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize a [O, K] weight exactly as ModelOpt's exporter does (docs/nvfp4-format.md §2.2), given its
-    weight_scale_2.
-
-    Returns packed_codes uint8 [O, K/2] (element 2i in the low nibble) and block_scales float8_e4m3fn [O, K/16].
-    """
-    rows, columns = weight.shape
-    blocks = weight.float().view(rows, columns // 16, 16)  # [O, K/16, 16]
-    block_scales = blocks.abs().amax(dim=-1) / (6 * global_scale)  # [O, K/16]
-    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
-    block_scales = block_scales.clamp(min=2**-9, max=448).to(torch.float8_e4m3fn)
-    scaled = blocks / (block_scales.float() * global_scale).unsqueeze(-1)  # [O, K/16, 16]
-    magnitude_codes = round_to_e2m1_codes(scaled.abs())  # [O, K/16, 16] 0..7
-    codes = ((scaled < 0).to(torch.uint8) << 3) | magnitude_codes  # [O, K/16, 16]
-    codes = codes.view(rows, columns)
-    packed_codes = (codes[:, 1::2] << 4) | codes[:, 0::2]  # [O, K/2]
-    return packed_codes, block_scales
 
 
 def quantize_experts_to_nvfp4(
@@ -2632,11 +2675,18 @@ def load_clef(
             if expert_kernels == "native":
                 experts.to_native_order()
 
-    head_config = json.loads((checkpoint_dir / "joint_head_config.json").read_text())
+    head_config_path = checkpoint_dir / "joint_head_config.json"
+    head_config = read_checkpoint_json(head_config_path)
+    head_signature = inspect.signature(schema.JointSchemaHead)
+    try:
+        head_signature.bind(**head_config)
+    except TypeError as error:  # a key the constructor does not take, or one it needs missing
+        raise CheckpointError(f"{head_config_path}: {error}; its keys are the joint head's arguments "
+                              f"({', '.join(head_signature.parameters)}): copy it from the release") from None
     if head_config["hidden_size"] != text_config.hidden_size:
         raise CheckpointError(
-            f"{checkpoint_dir}/joint_head_config.json: hidden_size {head_config['hidden_size']} differs from the "
-            f"thinker's text hidden size {text_config.hidden_size}; the joint head belongs to another model"
+            f"{head_config_path}: hidden_size {head_config['hidden_size']} differs from the thinker's text hidden size "
+            f"{text_config.hidden_size}; the joint head belongs to another model"
         )
     head = schema.JointSchemaHead(**head_config)
     try:
@@ -2656,22 +2706,7 @@ def load_clef(
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
         torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
-        # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
-        # now, not in the first request.
-        # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); the towers' SDPA
-        # then takes flash or memory-efficient attention, which need none.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
-        schema.systemone(clef_model, processor, WARM_UP_REQUEST)
-        schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
-        if expert_kernels in ("gluon", "triton"):
-            # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
-            packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
-            for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
-                packed_layer.compile_kernels()
-        progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
-        packed_decoder.compile_layers()
-        packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+        warm_up_engine(clef_model, schema, processor, packed_decoder, expert_kernels, progress)
     install_batched_head(clef_model, schema, processor, progress)
     if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
@@ -2709,9 +2744,10 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # H200). So the decoder's layers are compiled (torch.compile fuses their small elementwise kernels) and the packed
 # decoder runs from CUDA graphs captured at load, two per bucket of packed lengths (several records, one): the packed
 # embeddings, positions and record boundaries are copied into the bucket's static inputs, padded at the end with one
-# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers and the
-# embedding merge stay eager, and so does the packed decoder for batches longer than the largest bucket. Nothing in
-# the graphed part reads a GPU value on the host.
+# more "record" of zeros, the graph is replayed and the real rows are copied out. The vision and audio towers replay
+# graphs of their layers (TowerLayerStep, below); their code around those layers and the embedding merge stay eager,
+# and so does the packed decoder for batches longer than the largest bucket. Nothing in the graphed part reads a GPU
+# value on the host.
 
 # Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
 # ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
@@ -3025,7 +3061,7 @@ class HostEmbedding(torch.nn.Module):
     decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, from the
     host copy of the token ids (host_values); and the output embeddings (the lm_head's weight), of which
     the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
-    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (151,936 x 2,048 in BF16) free per table."""
+    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (152,064 x 2,048 in BF16) free per table."""
 
     def __init__(self, embedding: torch.nn.Module):  # an nn.Embedding or nn.Linear: its weight [V, H] is the table
         super().__init__()
@@ -3221,6 +3257,34 @@ def install_tower_steps(tower: torch.nn.Module) -> TowerGraphs:
 # record), against 230-295 ms for the 48-layer text decoder. BatchedJointSchemaHead computes the same maths for the
 # whole batch at once, in a fixed number of launches, from index tensors built on the host from the records' spans.
 #
+WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
+# A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
+# the capture of its layers' graphs needs.
+WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(16_000, dtype=np.float32)]}
+
+
+def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, processor: Any,
+                   packed_decoder: PackedTextDecoder, expert_kernels: str, progress: Callable[[str], None]) -> None:
+    """The engine's compile and graph policy, run once at load on a GPU, so that no request pays for a first time:
+    cuDNN's attention off (it builds a plan per new sequence length, ~150 ms each on an H200; the towers' SDPA then
+    takes flash or memory-efficient attention, which need none); a text and a media decision through the decision
+    module (the GPU's libraries set up, seconds, and the towers' static buffers made); the packed-expert kernels
+    compiled for every tile configuration; the text decoder's layers compiled and its graphs, and the towers', captured
+    (PackedTextDecoder.capture_graphs)."""
+    packed_layers = [module for module in clef_model.modules() if isinstance(module, PackedNVFP4Experts)]
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed_layers else ""))
+    schema.systemone(clef_model, processor, WARM_UP_REQUEST)
+    schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
+    if expert_kernels in ("gluon", "triton"):
+        # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
+        for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
+            packed_layer.compile_kernels()
+    progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
+    packed_decoder.compile_layers()
+    packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+
+
 # Dimension letters: B records, L padded length, H thinker hidden, W head width, Q questions and N options of the whole
 # batch, Qb questions and Nb options of the record that has most, K options of the question that has most, Ts tokens
 # of all question and option spans, To tokens of all option spans.
@@ -3566,6 +3630,9 @@ MAX_AUDIO_SECONDS = 300  # per clip, and per video soundtrack
 # The audio feature extractor reflect-pads each clip by half its 400-sample FFT window, which needs more than 200
 # samples at 16 kHz; 13 ms (208 samples) leaves room for the resampler's rounding of clips recorded at other rates.
 MIN_AUDIO_SECONDS = 0.013
+# A video's soundtrack whose packets last this long or more decodes to more than MIN_AUDIO_SECONDS whatever its codec's
+# priming drops (AAC's 2,112 samples, Opus's 80 ms), so only a shorter one is decoded to be measured (_check_video)
+SOUNDTRACK_PACKETS_SURELY_LONG_S = 1.0
 AUDIO_SAMPLE_RATE = 16_000  # the decision module's load_audio gives samples at this rate
 # FFmpeg reads up to 5 MB of a clip when it opens it, to find what the WAV or MP3 header states already (about 5 ms
 # per open of a 10 s WAV on the H200's host); the length checks read the headers and frames only.
@@ -3614,7 +3681,7 @@ def json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
-        return "a string"
+        return "a string" if value else "an empty string"
     return "an array" if isinstance(value, list) else "an object"
 
 
@@ -3738,8 +3805,53 @@ def _asset_item(placeholder: str, asset: Any) -> MediaItem:
     return media._replace(base64_text=asset["data_base64"])
 
 
+def parse_request_json(text: str | bytes) -> Any:
+    """A request's JSON text parsed as Python's json parses it, except that an integer beyond a 64-bit float's range
+    (more than 1.8e308 in magnitude) becomes ±infinity, as it does in clients that read JSON numbers as floats, and is
+    refused with 400 naming its field (refuse_unrepresentable_values) like 1e999; Python alone would keep one of up to
+    4,300 digits and fail the whole body on a longer one, with a message about its own digit limit."""
+
+    def integer(digits: str) -> int | float:
+        if len(digits.lstrip("-")) <= len(str(int(sys.float_info.max))):
+            value = int(digits)
+            if abs(value) <= sys.float_info.max:
+                return value
+        return -math.inf if digits.startswith("-") else math.inf
+
+    return json.loads(text, parse_int=integer)
+
+
+def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
+    """400 for a value JSON parses but nothing downstream can represent: a NaN or ±Infinity literal, a number that
+    overflowed to infinity (1e999), or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys
+    included; the message names the field, its own surrogates written as escapes. Walked with a stack, not
+    recursion: a body nested as deep as the JSON parser allows must not exhaust Python's recursion limit here."""
+    pending = [(value, loc)]
+    while pending:
+        value, loc = pending.pop()
+        problem = None
+        if isinstance(value, float) and math.isnan(value):
+            problem = "NaN is not a JSON number"
+        elif isinstance(value, float) and math.isinf(value):
+            problem = "Infinity, or a number too large for a 64-bit float, is not a JSON number"
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                problem = "text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the text"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # reversed: the first offending field is reported first
+                pending += [(item, (*loc, key)), (key, (*loc, key))]
+        elif isinstance(value, list):
+            pending += [(item, (*loc, index)) for index, item in reversed(list(enumerate(value)))]
+        if problem is not None:
+            path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
+            raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
+
+
 def validate_request(request: Any) -> tuple[dict, bool]:
-    """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate).
+    """Check a SystemOne request field by field, decoding nothing; return (the record for systemone, truncate). Values
+    nothing downstream can represent anywhere in it are refused first, with 400 (refuse_unrepresentable_values).
 
     The record keeps only the fields systemone reads (unknown fields are ignored, `media_kwargs` is refused), and its
     media items become MediaItems for `decode_media`. The TypeSafe clients' `assets` (placeholder -> image) join the
@@ -3747,6 +3859,7 @@ def validate_request(request: Any) -> tuple[dict, bool]:
     """
     if not isinstance(request, dict):
         raise RequestError(422, ("body",), f"the body must be a JSON object, not {json_type(request)}", "dict_type")
+    refuse_unrepresentable_values(request, ("body",))
     for name in ("model", "state", "questions"):
         if name not in request:
             raise _invalid((name,), f"{name} is required", "missing")
@@ -3909,9 +4022,12 @@ def _decode_audio_clip(media: MediaItem, data: bytes, schema: types.ModuleType) 
 
 def _check_video(media: MediaItem, data: bytes) -> None:
     """Refuse a video that is not MP4 or WebM or that breaks a limit, without decoding it: the frame size, aspect
-    ratio and durations come from the headers, the frame count and timestamps from its packets, and only its first
-    frame (to see that one decodes, at the size declared) and its soundtrack (counted against the audio limit, before
-    resampling) are decoded. The decision module decodes the frames it samples when it encodes the record."""
+    ratio and durations come from the headers, the frame count, timestamps and the soundtrack's length from its
+    packets, and only its first frame is decoded (to see that one decodes, at the size declared). The decision module
+    decodes the frames it samples, and the soundtrack, when it encodes the record. Packets decode to at most their
+    durations, less the codec's priming (tens of ms), so a soundtrack is decoded here, and counted exactly against the
+    audio limit before resampling, only when its packets pass that limit, state no duration, or come to less than
+    SOUNDTRACK_PACKETS_SURELY_LONG_S (where the priming could leave less than the audio encoder's window)."""
     try:
         with av.open(io.BytesIO(data)) as container:
             container_formats = container.format.name.split(",")
@@ -3931,10 +4047,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
             if declared > MAX_AUDIO_SECONDS:
                 raise _invalid(media.loc, f"{media.name} has a soundtrack of {declared:.1f} s by its header; "
                                f"soundtracks count against the audio limit of {MAX_AUDIO_SECONDS} s per clip")
-            frames, first_frame, sound_seconds = 0, None, 0.0
+            frames, first_frame = 0, None
+            sound_duration = 0 if soundtrack is not None and soundtrack.time_base is not None else None  # time base
             for packet in container.demux([video] + ([soundtrack] if soundtrack is not None else [])):
                 if packet.stream is soundtrack:
-                    sound_seconds = _decoded_seconds(packet.decode(), sound_seconds, media, "has a soundtrack of")
+                    if packet.size and sound_duration is not None:  # size 0: the demuxer's end-of-stream marker
+                        sound_duration = sound_duration + packet.duration if packet.duration else None
                     continue
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
@@ -3955,6 +4073,12 @@ def _check_video(media: MediaItem, data: bytes) -> None:
                 first_frame = next(iter(video.codec_context.decode(None)), None)
                 if first_frame is not None:
                     _refuse_picture_size(media, first_frame.width, first_frame.height, "frame")
+            sound_seconds = None if sound_duration is None else float(sound_duration * soundtrack.time_base)
+        if soundtrack is not None and not (
+                sound_seconds is not None and SOUNDTRACK_PACKETS_SURELY_LONG_S <= sound_seconds <= MAX_AUDIO_SECONDS):
+            with av.open(io.BytesIO(data)) as container:
+                sound_seconds = _decoded_seconds(container.decode(container.streams.audio[0]), 0.0, media,
+                                                 "has a soundtrack of")
     except (av.FFmpegError, ValueError) as error:
         raise _undecodable(media, "a video", error) from None
     if first_frame is None:
@@ -4686,8 +4810,8 @@ def attach_multipart_images(payload: Any, parts: dict[str, tuple[str, bytes]]) -
 async def read_json_body(request: Request) -> Any:
     """The parsed body: 415 if neither JSON nor multipart or in an unknown Content-Encoding, 413 over 13 MiB
     (declared, streamed or decompressed), 408 when it has not arrived within BODY_READ_TIMEOUT_S, 422 if it does not
-    parse, 400 for values nothing can represent. A multipart body (the TypeSafe clients' image uploads) gives its
-    JSON request part, with the image parts put into the `assets` entries that name them."""
+    parse (values nothing can represent are refused by validate_request). A multipart body (the TypeSafe clients'
+    image uploads) gives its JSON request part, with the image parts put into the `assets` entries that name them."""
     content_type = request.headers.get("content-type", "application/json")
     media_type = content_type.partition(";")[0].strip().lower()
     multipart = media_type == "multipart/form-data"
@@ -4719,46 +4843,16 @@ async def read_json_body(request: Request) -> Any:
     if multipart:
         body, parts = await read_multipart_body(content_type, bytes(body))
 
-    def refuse_constant(name: str) -> None:
-        raise ValueError(f"{name} is not JSON")
-
     try:
-        parsed = json.loads(body, parse_constant=refuse_constant)
+        parsed = parse_request_json(body)  # NaN, ±Infinity and overflowing numbers parse, to be refused with 400
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         # FastAPI's shape for a body that does not parse: 422, json_invalid, located at the character where it broke
         position = getattr(error, "pos", getattr(error, "start", None))
         loc = ("body",) if position is None else ("body", position)
         raise RequestError(422, loc, f"the body is not valid JSON: {error}", "json_invalid") from None
-    refuse_unrepresentable_values(parsed, ("body",))
     if multipart:
         attach_multipart_images(parsed, parts)
     return parsed
-
-
-def refuse_unrepresentable_values(value: Any, loc: tuple) -> None:
-    """400 for a value JSON parses but nothing downstream can represent: a number that overflowed to infinity (1e999)
-    or text with a lone UTF-16 surrogate (an unpaired \\ud800 escape), keys included; the message names the field,
-    its own surrogates written as escapes. Walked with a stack, not recursion: a body nested as deep as the JSON
-    parser allows must not exhaust Python's recursion limit here."""
-    pending = [(value, loc)]
-    while pending:
-        value, loc = pending.pop()
-        problem = None
-        if isinstance(value, float) and not math.isfinite(value):
-            problem = "a number too large for a 64-bit float"
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                problem = "text with a lone UTF-16 surrogate is not valid Unicode; send paired surrogates or the text"
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):  # reversed: the first offending field is reported first
-                pending += [(item, (*loc, key)), (key, (*loc, key))]
-        elif isinstance(value, list):
-            pending += [(item, (*loc, index)) for index, item in reversed(list(enumerate(value)))]
-        if problem is not None:
-            path = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in loc[1:])
-            raise RequestError(400, ("body",), f"{path or 'the body'}: {problem}", "invalid_json")
 
 
 class ObserveDecisions:
@@ -4975,7 +5069,7 @@ def answer_once(args: argparse.Namespace) -> int:
     request = DEMO_REQUEST
     if args.request:
         try:
-            request = json.loads(Path(args.request).read_text(encoding="utf-8"))
+            request = parse_request_json(Path(args.request).read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             console(f"serve_clef: cannot read the request file {args.request}: {error}")
             return 2

@@ -26,7 +26,6 @@ Usage: python3 bench/host_capacity.py [--host-ms 0,10] [--base-ms 10.5] [--per-t
 """
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -158,39 +157,38 @@ def serve(args: argparse.Namespace) -> int:
         Path(args.stats).write_text(json.dumps(forwards))
 
 
-def median_ms(values: list[float]) -> float | None:
-    return round(statistics.median(values) * 1000, 2) if values else None
+def forward_stages_ms(forward: dict, before: dict | None) -> dict:
+    """A real forward's stages in ms (`before`: the forward the device ran before it, or None)."""
+    seconds = {
+        "host: entered to the decoder": forward["host_at_decoder"] - forward["entered"],
+        "host: entered to queued": forward["queued"] - forward["entered"],
+        "device: reached to the decoder": forward["device_decoder_started"] - forward["device_reached"],
+        "device: decoder": forward["device_decoder_ended"] - forward["device_decoder_started"],
+        "device: after the decoder": forward["device_ended"] - forward["device_decoder_ended"],
+        "device: idle since the forward before": None if before is None
+        else forward["device_reached"] - before["device_ended"],
+    }
+    return {stage: None if value is None else round(value * 1000, 2) for stage, value in seconds.items()}
 
 
 def level_forwards(forwards: list, since: float, until: float) -> dict:
     """Records per forward and the share of [since, until] the device was busy, of the forwards the host entered in
-    it; for real forwards also the medians of their stages (ms)."""
+    it; for real forwards also the medians of their stages and, for the JSON, each forward's (ms; `at`: when the
+    host entered it, from the level's start)."""
     inside = [forward for forward in forwards if since <= forward["entered"] < until]
     busy = sum(max(0.0, min(forward["device_ended"], until) - forward["device_busy_from"]) for forward in inside)
     summary = {"records_per_forward": round(sum(forward["records"] for forward in inside) / max(1, len(inside)), 2),
                "device_busy": round(busy / (until - since), 3)}
     real = [forward for forward in inside if "queued" in forward]
     if real:
-        summary["forward_stages_median_ms"] = {
-            "host: entered to the decoder": median_ms([f["host_at_decoder"] - f["entered"] for f in real]),
-            "host: entered to queued": median_ms([f["queued"] - f["entered"] for f in real]),
-            "device: reached to the decoder": median_ms(
-                [f["device_decoder_started"] - f["device_reached"] for f in real]),
-            "device: decoder": median_ms([f["device_decoder_ended"] - f["device_decoder_started"] for f in real]),
-            "device: after the decoder": median_ms([f["device_ended"] - f["device_decoder_ended"] for f in real]),
-            "device: idle since the forward before": median_ms(
-                [now["device_reached"] - before["device_ended"] for before, now in itertools.pairwise(real)]),
-        }
-        # each forward's stages (ms; `at`: when the host entered it, from the level's start), for the JSON only
-        summary["forwards"] = [{
-            "records": f["records"], "tokens": f["tokens"], "at": round((f["entered"] - since) * 1000, 1),
-            "device idle before": round((f["device_reached"] - before["device_ended"]) * 1000, 1) if before else None,
-            "host to the decoder": round((f["host_at_decoder"] - f["entered"]) * 1000, 1),
-            "host to queued": round((f["queued"] - f["entered"]) * 1000, 1),
-            "device to the decoder": round((f["device_decoder_started"] - f["device_reached"]) * 1000, 1),
-            "decoder": round((f["device_decoder_ended"] - f["device_decoder_started"]) * 1000, 1),
-            "after the decoder": round((f["device_ended"] - f["device_decoder_ended"]) * 1000, 1),
-        } for before, f in zip([None, *real], real)]
+        stages = [forward_stages_ms(forward, before) for before, forward in zip([None, *real], real)]
+        summary["forward_stages_median_ms"] = {}
+        for stage in stages[0]:
+            values = [row[stage] for row in stages if row[stage] is not None]  # the first has no forward before
+            summary["forward_stages_median_ms"][stage] = round(statistics.median(values), 2) if values else None
+        summary["forwards"] = [{"records": forward["records"], "tokens": forward["tokens"],
+                                "at": round((forward["entered"] - since) * 1000, 1), **row}
+                               for forward, row in zip(real, stages)]
     return summary
 
 

@@ -23,10 +23,11 @@ Both checkpoints are loaded with serve_clef's `load_clef`, so they run the code 
 of every record, p = fp32 softmax of the joint head's option logits; the report gives top-1 agreement, the total
 variation TV = 0.5 * sum_o |p_ref(o) - p_cand(o)| (mean, p95, max), every flipped question with the reference's top-1
 minus top-2 margin (a flip with a small margin is noise, one with a large margin is damage), tokens, and forward
-milliseconds. When the reference is BF16 the report also holds its noise floor: the same weights through the other
-experts kernel (eager against grouped_mm), so a candidate's TV can be read against what kernel order alone moves.
-Either side may instead be the base URL of a running serve_clef: its answers give the probabilities, rounded to 1e-4
-as the API returns them (records go over the wire with media as PNG, WAV and MPEG-4 data URLs).
+milliseconds, and each side's memory: its weights in GiB, and on a GPU the peak allocated while it scored. When the
+reference is BF16 the report also holds its noise floor: the same weights through the other experts kernel (eager
+against grouped_mm), so a candidate's TV can be read against what kernel order alone moves. Either side may instead
+be the base URL of a running serve_clef: its answers give the probabilities, rounded to 1e-4 as the API returns them
+(records go over the wire with media as PNG, WAV and MPEG-4 data URLs).
 
 The verdict applies the gates of docs/nvfp4-format.md §6 (top1_agreement >= 0.98, mean_tv <= 0.03) to the candidate:
 "pass", or "fail" with exit status 1. When either side is synthetic (random weights, written by synthetic_release.py)
@@ -34,6 +35,7 @@ the numbers say nothing about quantization, and the verdict is "not judged".
 """
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -131,7 +133,7 @@ def compare(reference: list[dict], candidate: list[dict]) -> dict:
     for ref, cand in zip(reference, candidate):
         p, q = np.asarray(ref["probabilities"]), np.asarray(cand["probabilities"])
         total_variations.append(0.5 * float(np.abs(p - q).sum()))
-        max_abs_difference = max(max_abs_difference, float(np.abs(p - q).max()))
+        max_abs_difference = float(np.max([max_abs_difference, np.abs(p - q).max()]))  # NaN stays NaN
         if int(p.argmax()) != int(q.argmax()):
             top2 = np.sort(p)[-2:]
             flips.append({"record_id": ref["record_id"], "question_id": ref["question_id"],
@@ -164,6 +166,16 @@ def _stock_experts_modules(model) -> list[torch.nn.Module]:
             if hasattr(module, "gate_up_proj") and hasattr(getattr(module, "config", None), "_experts_implementation")]
 
 
+def weights_gib(model: torch.nn.Module) -> float:
+    """What a loaded model's parameters and buffers hold (the packed experts' codes and scales among them), each
+    storage counted once (tied weights share one), in GiB: the checkpoint's cost in the memory it was loaded to, before
+    any activation. Tables serve_clef keeps in host memory on a GPU (its token and output embeddings' lookups) are
+    plain attributes, not counted."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in itertools.chain(model.parameters(), model.buffers())}
+    return sum(storages.values()) / 2**30
+
+
 def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[str], list[dict]]:
     """The noise-floor run: a BF16 model scored again through the other experts kernel (eager <-> grouped_mm)."""
     experts_modules = _stock_experts_modules(loaded.model)
@@ -183,9 +195,10 @@ def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[s
 def judge(stats: dict, synthetic_sides: list[str]) -> dict:
     """The verdict on a candidate's `compare` statistics against the gates of docs/nvfp4-format.md §6."""
     failed = []
-    if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
+    # `not`: a NaN statistic (NaN probabilities) fails its gate, where `<` and `>` would pass it
+    if not stats["top1_agreement"] >= MIN_TOP1_AGREEMENT:
         failed.append(f"top1_agreement {stats['top1_agreement']:.3f} < {MIN_TOP1_AGREEMENT}")
-    if stats["mean_tv"] > MAX_MEAN_TV:
+    if not stats["mean_tv"] <= MAX_MEAN_TV:
         failed.append(f"mean_tv {stats['mean_tv']:.4f} > {MAX_MEAN_TV}")
     if synthetic_sides:
         verdict = "not judged"
@@ -198,7 +211,7 @@ def judge(stats: dict, synthetic_sides: list[str]) -> dict:
 def parity_report(reference: dict, candidate: dict, reference_scores: list[dict], candidate_scores: list[dict],
                   noise_floor: tuple[list[str], list[dict]] | None = None) -> dict:
     """The report (see the module doc); `reference` / `candidate` say what was scored ({"source", "kind",
-    "synthetic"})."""
+    "synthetic", "memory_gib": {"weights", "peak"}})."""
     tokens = _per_record(reference_scores, "tokens")
     candidate_vs_reference = compare(reference_scores, candidate_scores)
     synthetic_sides = [side for side, description in (("reference", reference), ("candidate", candidate))
@@ -239,6 +252,13 @@ def print_summary(report: dict) -> None:
     print(f"{report['records']} records, {report['tokens']['total']} tokens; forward ms median/p95: reference "
           f"{forward_ms['reference']['median']:.1f}/{forward_ms['reference']['p95']:.1f}, candidate "
           f"{forward_ms['candidate']['median']:.1f}/{forward_ms['candidate']['p95']:.1f}")
+    for side in ("reference", "candidate"):
+        memory = report[side]["memory_gib"]
+        if memory["weights"] is None:
+            print(f"{side} memory: not known (a server)")
+            continue
+        peak = "not measured on CPU" if memory["peak"] is None else f"{memory['peak']:.2f} GiB"
+        print(f"{side} memory: weights {memory['weights']:.2f} GiB, peak while scoring {peak}")
     for flip in report["candidate_vs_reference"]["flips"]:
         print(f"  flip {flip['record_id']} {flip['question_id']}: {flip['reference_top1']} -> "
               f"{flip['candidate_top1']} (reference margin {flip['reference_margin']:.3f}, TV {flip['tv']:.3f})")
@@ -261,17 +281,23 @@ def _score(checkpoint: str, records: list[dict], device: str, flags: list[str], 
 
         notice = requests.get(f"{checkpoint.rstrip('/')}/healthz", timeout=60).json().get("notice")
         progress(f"{what}: the server at {checkpoint}")
-        description = {"source": checkpoint, "kind": "server", "synthetic": notice == serve_clef.SYNTHETIC_NOTICE}
+        description = {"source": checkpoint, "kind": "server", "synthetic": notice == serve_clef.SYNTHETIC_NOTICE,
+                       "memory_gib": {"weights": None, "peak": None}}
         return description, score_server(checkpoint, records), None
     progress(f"{what}: loading {checkpoint}")
     loaded = serve_clef.load_from_args(serve_clef.parse_args(["--model", checkpoint, "--device", device] + flags),
                                        progress=progress)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     scores = score_records(loaded, records, f"the {what}")
+    memory_gib = {"weights": weights_gib(loaded.model),
+                  "peak": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
     noise_floor = None
     if with_noise_floor and loaded.kind == "bf16":
         noise_floor = score_with_other_experts_kernel(loaded, records)
     description = {"source": str(loaded.checkpoint_dir), "kind": loaded.kind,
-                   "synthetic": loaded.notice == serve_clef.SYNTHETIC_NOTICE}
+                   "synthetic": loaded.notice == serve_clef.SYNTHETIC_NOTICE, "memory_gib": memory_gib}
     del loaded
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -4,7 +4,7 @@
 #   "torch==2.11.0",  # the build serve_clef runs on the H200 (CUDA 13.0); CPU machines: see the README
 #   "transformers>=5.17",
 #   "accelerate",
-#   "nvidia-modelopt==0.47.*",
+#   "nvidia-modelopt==0.47.0",
 #   "requests",
 #   "safetensors",
 #   "tokenizers",
@@ -37,7 +37,6 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import re
 import shutil
 import sys
@@ -52,6 +51,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script (`python calib/quantize.py`, `uv run`): find the repo modules
     sys.path.insert(0, str(REPO_ROOT))
 
+import serve_clef
 from calib.records import calibration_records
 
 # Importing ModelOpt 0.47 warns that any transformers newer than its own pin is "not tested" (this recipe is tested with
@@ -64,13 +64,12 @@ warnings.filterwarnings("ignore", r"`torch\.jit\.script(_method)?` is deprecated
 # Quantizers of these modules stay disabled on top of NVFP4_EXPERTS_ONLY_CFG's own list, which does not cover the
 # audio tower, the talker or code2wav (docs/nvfp4-format.md §4.2). The joint head is never handed to ModelOpt at all.
 KEEP_BF16 = ("*audio_tower*", "*visual*", "*talker*", "*code2wav*", "*lm_head*", "*mlp.gate.*", "*embed*")
+LM_HEAD = "thinker.lm_head"  # kept in BF16 (KEEP_BF16), as the export's module lists name it
 # Release files the exporter writes itself (config.json, generation_config.json) or replaces (the BF16 weights).
 NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|config\.json|"
                         r"generation_config\.json|hf_quant_config\.json|SHA256SUMS)$")
 # Expert tensors of the thinker's text decoder in either naming layout (docs/nvfp4-format.md §3.4).
 EXPERT_TENSOR = re.compile(r"^(?:thinker\.)?model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(.+)$")
-PER_EXPERT_TENSOR = re.compile(
-    r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -233,9 +232,25 @@ def export(backbone, clef, release_dir: Path, out_dir: Path) -> None:
         export_hf_checkpoint(backbone, dtype=torch.bfloat16, export_dir=out_dir, max_shard_size="5GB")
     finally:
         config_logger.removeFilter(_without_torch_dtype_deprecation)
+    list_lm_head_as_unquantized(out_dir)
     for source in sorted(release_dir.iterdir()):
         if source.is_file() and not NOT_COPIED.match(source.name):
             shutil.copy2(source, out_dir / source.name)
+
+
+def list_lm_head_as_unquantized(out_dir: Path) -> None:
+    """Add the thinker's LM head to the export's lists of unquantized modules. ModelOpt lists every module it left
+    unquantized, but the LM head was not in the model while it quantized (ClefModel scores with the output embeddings
+    in its place), so it went unlisted, and a reader that takes unlisted modules for quantized (vLLM's ModelOpt
+    loader) would look for NVFP4 tensors of a BF16 `thinker.lm_head.weight`. Both files keep ModelOpt's formatting
+    (json.dumps with an indent of 4, no newline at the end)."""
+    for path, section, key in ((out_dir / "hf_quant_config.json", "quantization", "exclude_modules"),
+                               (out_dir / "config.json", "quantization_config", "ignore")):
+        metadata = json.loads(path.read_text())
+        unquantized = metadata[section][key]
+        if LM_HEAD not in unquantized:
+            metadata[section][key] = sorted([*unquantized, LM_HEAD])
+            path.write_text(json.dumps(metadata, indent=4))
 
 
 def _sha256(path: Path) -> str:
@@ -287,10 +302,11 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
                 match = EXPERT_TENSOR.match(key)
                 if match is None:
                     continue
-                per_expert = PER_EXPERT_TENSOR.match(match[2])
+                per_expert = serve_clef.EXPERT_TENSOR.fullmatch(key)  # the loader's reading of expert tensor names
                 if per_expert is None:
                     raise ExportCheckError(f"{shard.name}: {key} is not a packed per-expert tensor (BF16 experts left)")
-                found[int(match[1]), int(per_expert[1]), per_expert[2], per_expert[3]] = (handle, key)
+                found[int(match[1]), int(per_expert["expert"]), per_expert["projection"], per_expert["field"]] = (
+                    handle, key)
 
         tensor_names = ("weight", "weight_scale", "weight_scale_2") + (() if weights_only else ("input_scale",))
         input_scales = {}  # (layer, "gate_up" | "down") -> the scale all experts of the layer share
@@ -304,38 +320,29 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
                     if weights_only and (layer, expert, projection, "input_scale") in found:
                         raise ExportCheckError(f"{where}: input_scale present in a W4A16_NVFP4 export")
                     out_features, in_features = shapes[projection]
-
-                    handle, key = found[layer, expert, projection, "weight"]
-                    packed_codes = handle.get_slice(key)  # header only: dtype and shape without reading the codes
-                    if packed_codes.get_dtype() != "U8" or packed_codes.get_shape() != [out_features, in_features // 2]:
-                        raise ExportCheckError(f"{key}: {packed_codes.get_dtype()} {packed_codes.get_shape()}, "
-                                               f"expected packed U8 {[out_features, in_features // 2]}")
-
-                    handle, key = found[layer, expert, projection, "weight_scale"]
-                    block_scales = handle.get_tensor(key)  # [out, in/16]
-                    if block_scales.dtype != torch.float8_e4m3fn or list(block_scales.shape) != [out_features,
-                                                                                                 in_features // 16]:
-                        raise ExportCheckError(f"{key}: {block_scales.dtype} {list(block_scales.shape)}, expected "
-                                               f"float8_e4m3fn {[out_features, in_features // 16]}")
-                    nan_bytes = (block_scales.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn: S.1111.111 is NaN
-                    if nan_bytes.any():
-                        row, block = nan_bytes.nonzero()[0].tolist()
-                        raise ExportCheckError(f"{key}: NaN scale byte at [{row}, {block}] "
-                                               f"({int(nan_bytes.sum())} in all)")
-
-                    handle, key = found[layer, expert, projection, "weight_scale_2"]
-                    _check_scalar(handle.get_tensor(key), key)
+                    checked = {}
+                    for tensor_name in tensor_names:
+                        handle, key = found[layer, expert, projection, tensor_name]
+                        if tensor_name == "weight":  # its header only: the dtype of no rows, the shape, no codes read
+                            header = handle.get_slice(key)
+                            tensor = torch.empty(header.get_shape(), dtype=header[:0].dtype, device="meta")
+                        else:
+                            tensor = handle.get_tensor(key)
+                        try:  # serve_clef's loader checks each tensor with the same function
+                            checked[tensor_name], _ = serve_clef.checked_nvfp4_tensor(
+                                tensor_name, tensor, out_features, in_features, key, repair_nan_scales=False)
+                        except serve_clef.CheckpointError as refusal:
+                            raise ExportCheckError(f"serve_clef's loader would refuse it: {refusal}") from None
                     if weights_only:
                         continue
-                    handle, key = found[layer, expert, projection, "input_scale"]
-                    input_scale = handle.get_tensor(key)
-                    _check_scalar(input_scale, key)
+                    input_scale = float(checked["input_scale"])
                     # One input quantizer per projection type per layer (docs/nvfp4-format.md §3.2): gate and up share
                     # theirs.
                     shared_key = (layer, "down" if projection == "down_proj" else "gate_up")
-                    shared = input_scales.setdefault(shared_key, float(input_scale))
-                    if float(input_scale) != shared:
-                        raise ExportCheckError(f"{key}: {float(input_scale)} differs from layer {layer}'s shared "
+                    shared = input_scales.setdefault(shared_key, input_scale)
+                    if input_scale != shared:
+                        _, key = found[layer, expert, projection, "input_scale"]
+                        raise ExportCheckError(f"{key}: {input_scale} differs from layer {layer}'s shared "
                                                f"{shared_key[1]} input scale {shared}")
 
     head_sha256 = _sha256(release_dir / "joint_head.safetensors")
@@ -344,13 +351,6 @@ def check_export(export_dir: Path, release_dir: Path) -> dict:
         raise ExportCheckError(f"{exported_head}: missing or not byte-identical to the release's joint head")
     return {"quant_algo": quant_algo, "moe_layers": len(moe_layers), "experts": expert_count,
             "packed_tensors": len(moe_layers) * expert_count * len(PROJECTIONS), "joint_head_sha256": head_sha256}
-
-
-def _check_scalar(value: torch.Tensor, key: str) -> None:
-    if value.dtype != torch.float32 or value.numel() != 1:
-        raise ExportCheckError(f"{key}: {value.dtype} {list(value.shape)}, expected one float32")
-    if not math.isfinite(float(value)) or float(value) <= 0:
-        raise ExportCheckError(f"{key}: {float(value)} is not a finite positive scale (uncalibrated?)")
 
 
 def write_sha256sums(export_dir: Path) -> Path:

@@ -5,6 +5,7 @@ here, the BF16 release's own weights against the §2.1 dequantisation formula, h
 """
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import math
@@ -83,7 +84,9 @@ def test_records_are_deterministic_disjoint_and_follow_the_recipe():
 
 def test_records_encode_with_the_release_processor(tiny_release):
     processor = joint_schema_model.load_processor(tiny_release)
-    for record in calibration_records(40):  # the first 40 hold an image, audio and a video
+    records = calibration_records(40)
+    assert all(any(field in record for record in records) for field in ("images", "audio", "videos"))
+    for record in records:
         encoded = joint_schema_model.encode_record(processor.tokenizer, record, processor=processor)
         assert len(encoded.questions) == len(record["questions"])
         assert (encoded.media is not None) == any(key in record for key in ("images", "audio", "videos"))
@@ -132,6 +135,11 @@ def test_export_packs_every_expert_of_the_release(tiny_release, nvfp4_export):
     assert any("visual" in m for m in excluded) and any("audio_tower" in m for m in excluded)
 
     exported, release = _tensors(nvfp4_export), _tensors(tiny_release)
+    # the LM head stays BF16, and both lists of unquantized modules say so, as for a model ModelOpt saw whole
+    assert exported["thinker.lm_head.weight"].dtype == torch.bfloat16
+    config_ignore = json.loads((nvfp4_export / "config.json").read_text())["quantization_config"]["ignore"]
+    for unquantized in (excluded, config_ignore):
+        assert any(fnmatch.fnmatchcase("thinker.lm_head", pattern) for pattern in unquantized), unquantized
     packed = [name for name, tensor in exported.items() if ".experts." in name and name.endswith(".weight")]
     assert len(packed) == layers * experts * 3 and all(exported[name].dtype == torch.uint8 for name in packed)
     assert not [name for name, tensor in exported.items() if ".experts." in name and tensor.dtype == torch.bfloat16]
@@ -235,11 +243,11 @@ def _unpacked_weight(tensors):
 
 
 @pytest.mark.parametrize("change, message", [
-    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: NaN scale byte at \[5, 1\]"),
+    (_nan_scale_byte, EXPERT + r"down_proj\.weight_scale: 1 NaN block scales \(bytes 0x7F/0xFF\)"),
     (_drop_expert, r"layer 1 expert 3 gate_proj: weight missing"),
-    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: 0\.0 is not a finite positive scale"),
+    (_uncalibrated_input_scale, EXPERT + r"up_proj\.input_scale: scale 0\.0 must be finite and positive"),
     (_bf16_experts_left, r"thinker\.model\.layers\.0\.mlp\.experts\.gate_up_proj is not a packed per-expert tensor"),
-    (_unpacked_weight, EXPERT + r"gate_proj\.weight: BF16 \[32, 64\], expected packed U8"),
+    (_unpacked_weight, EXPERT + r"gate_proj\.weight: torch\.bfloat16 \[32, 64\], expected packed uint8 \[32, 32\]"),
 ])
 def test_check_export_names_what_is_broken(tiny_release, nvfp4_export, tmp_path, change, message):
     broken = tmp_path / "broken"
@@ -330,6 +338,19 @@ def test_parity_report_against_an_independent_recomputation(tiny_release, nvfp4_
     assert sorted(floor["experts_implementations"]) == ["eager", "grouped_mm"]
     assert floor["questions"] == len(questions)
 
+    # the weights' memory: the release's tensor bytes on disk (the talker's left out, the joint head's in), plus the
+    # buffers the model computes at load (rotary frequencies, the audio tower's positions), which no file holds
+    on_disk = 0
+    for shard in tiny_release.glob("*.safetensors"):
+        with safetensors.safe_open(shard, "pt") as tensors:
+            on_disk += sum(tensors.get_tensor(name).nbytes for name in tensors.keys()
+                           if not serve_clef.is_talker_tensor(name))
+    model = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
+                                      progress=lambda message: None).model
+    computed = sum(buffer.nbytes for name, buffer in model.named_buffers() if name not in model.state_dict())
+    assert report["reference"]["memory_gib"] == {"weights": (on_disk + computed) / 2**30, "peak": None}  # on CPU
+    assert 0 < report["candidate"]["memory_gib"]["weights"] < report["reference"]["memory_gib"]["weights"]
+
 
 def _scored(question_id: str, option_ids: list[str], probabilities: list[float]) -> dict:
     return {"record_id": "r", "question_id": question_id, "option_ids": option_ids, "probabilities": probabilities}
@@ -352,6 +373,17 @@ def test_compare_on_hand_computed_probabilities():
     assert same["top1_agreement"] == 1.0 and same["max_tv"] == 0.0 and same["flips"] == []
     with pytest.raises(ValueError, match="scored different questions or options"):
         parity.compare(reference, candidate[:1] + [_scored("b", ["u", "v"], [0.5, 0.5])])
+
+
+def test_nan_probabilities_fail_the_gates():
+    """A candidate whose probabilities are NaN (a broken kernel) fails the parity gates and shows NaN in its
+    statistics, rather than passing every `<`/`>` comparison."""
+    reference = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [0.4, 0.6])]
+    candidate = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [math.nan, math.nan])]
+    stats = parity.compare(reference, candidate)
+    assert math.isnan(stats["max_abs_dp"]) and math.isnan(stats["mean_tv"])
+    verdict = parity.judge(stats, synthetic_sides=[])
+    assert verdict["verdict"] == "fail" and any("mean_tv" in failure for failure in verdict["failed_gates"])
 
 
 def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_path):

@@ -269,6 +269,19 @@ def test_a_video_within_the_bounds_is_answered(loaded):
     assert answers(loaded, with_media("videos", "video/mp4", mp4))["answers"]
 
 
+@pytest.mark.parametrize("soundtrack_seconds, measured_by_decoding", [(2, False), (0.5, True)])
+def test_a_soundtrack_is_decoded_once_unless_its_packets_are_short(loaded, monkeypatch, soundtrack_seconds,
+                                                                  measured_by_decoding):
+    """The decision module decodes the soundtrack when it encodes the record; the server's checks decode it too only
+    when its packets come to less than a second, where a codec's priming could leave too little sound."""
+    mp4 = video_of_copies("mp4", "mpeg4", 64, 48, copies=16, fps=8, soundtrack_seconds=soundtrack_seconds)
+    decoded = []
+    measure = serve_clef._decoded_seconds
+    monkeypatch.setattr(serve_clef, "_decoded_seconds", lambda *args: decoded.append(args[-1]) or measure(*args))
+    assert answers(loaded, with_media("videos", "video/mp4", mp4))["answers"]
+    assert decoded == (["has a soundtrack of"] if measured_by_decoding else [])
+
+
 # ---- images and the shapes of media items ----------------------------------------------------------------------------
 
 
@@ -475,7 +488,10 @@ def test_sigterm_exits_0_promptly_with_half_open_connections_and_removes_tempora
             clients.append(client)
         wait_until_ready(f"http://127.0.0.1:{port}", process=process)  # answered after the 300 were taken in
         process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=120)
+        # within the drain and some slack for a slow machine, well before the bodies' own 60 s timeout would end the
+        # half-open requests anyway (which a server that did not drain and cancel would wait for)
+        assert serve_clef.SHUTDOWN_DRAIN_S + 30 < serve_clef.BODY_READ_TIMEOUT_S
+        returncode = process.wait(timeout=serve_clef.SHUTDOWN_DRAIN_S + 30)
     finally:
         for client in clients:
             client.close()

@@ -337,6 +337,61 @@ def test_directory_without_the_clef_files_fails_clearly(nvfp4_export, tmp_path):
         load(bare)
 
 
+def write_text(name: str, text: str):
+    return lambda checkpoint: (checkpoint / name).write_text(text)
+
+
+def edit_json(name: str, edit):
+    def change(checkpoint: Path) -> None:
+        value = json.loads((checkpoint / name).read_text())
+        edit(value)
+        (checkpoint / name).write_text(json.dumps(value))
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "damage, phrase",
+    [
+        (write_text("hf_quant_config.json", '{"quantization": {'), r"hf_quant_config\.json cannot be read as JSON"),
+        (write_text("config.json", "\xff not json"), r"config\.json cannot be read as JSON"),
+        (write_text("joint_head_config.json", "[1, 2]"), r"joint_head_config\.json holds list"),
+        (edit_json("hf_quant_config.json", lambda config: config.update(quantization=None)),
+         r"hf_quant_config\.json: quantization holds NoneType"),
+        (edit_json("hf_quant_config.json", lambda config: config["quantization"].update(config_groups={"g": "w"})),
+         r"hf_quant_config\.json: config_groups\.g holds str"),
+        (edit_json("hf_quant_config.json", lambda config: config["quantization"].update(
+            quant_algo="MIXED_PRECISION", quantized_layers={"thinker.model.layers.0.mlp.experts.0.up_proj": 4})),
+         r"quantized_layers\.thinker\.model\.layers\.0\.mlp\.experts\.0\.up_proj holds int"),
+        (write_text("model.safetensors.index.json", '{"weight_map": ["model.safetensors"]}'),
+         r"model\.safetensors\.index\.json: weight_map holds list"),
+        (edit_json("joint_head_config.json", lambda config: config.pop("hidden_size")),
+         r"joint_head_config\.json: missing a required argument: 'hidden_size'; its keys are the joint head's"),
+        (edit_json("joint_head_config.json", lambda config: config.update(depth=3)),
+         r"joint_head_config\.json: got an unexpected keyword argument 'depth'"),
+    ],
+    ids=["quant-config-not-json", "config-not-json", "head-config-a-list", "quantization-null", "group-a-string",
+         "layer-a-number", "weight-map-a-list", "head-config-without-hidden-size", "head-config-unknown-key"],
+)
+def test_damaged_metadata_is_refused_in_one_line_naming_the_file(nvfp4_export, tmp_path, damage, phrase):
+    """Metadata files that do not parse, or hold another JSON type where an object belongs, are refused with a
+    CheckpointError naming the file and field (the command line prints it in one line), not a parser's traceback."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(nvfp4_export, damaged)
+    damage(damaged)
+    with pytest.raises(serve_clef.CheckpointError, match=phrase):
+        load(damaged)
+
+
+def test_a_compressed_tensors_group_without_a_global_scale_is_refused_by_its_scheme(tmp_path):
+    """An FP4 group with strategy "group" has no global scale: its scheme is named, not its missing tensors."""
+    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "group",
+                                           "symmetric": True, "dynamic": False}}}}
+    with pytest.raises(serve_clef.CheckpointError, match=r"config group group_0 .* strategy 'group'.* is not served"):
+        serve_clef.compressed_tensors_quantization(config, "config.json quantization_config")
+
+
 def test_joint_head_of_another_size_fails_clearly(nvfp4_export, tmp_path):
     mismatched = tmp_path / "mismatched"
     shutil.copytree(nvfp4_export, mismatched)
