@@ -1903,10 +1903,6 @@ SERVED_FORMATS = ("BF16 releases, ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION
 # tensors: on the H200's 16-CPU host, torch's default of one thread per CPU prepared an image 1.6x, a sound 2.1x and a
 # video 1.1x slower than 8 threads did, with the same tensors out (docs/benchmarks.md, 2026-12-03 19:27 UTC).
 PREPARATION_CPU_THREADS = 8
-WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
-# A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
-# the capture of its layers' graphs needs.
-WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(16_000, dtype=np.float32)]}
 
 # The two on-disk name layouts of the thinker's tensors (docs/nvfp4-format.md §3.4), as (hub layout,
 # transformers-internal) prefixes.
@@ -2747,22 +2743,7 @@ def load_clef(
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
         torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
-        # The first decision on a GPU sets up its libraries (seconds) and compiles the packed-expert kernels: do it
-        # now, not in the first request.
-        # cuDNN's fused attention builds a plan per new sequence length (~150 ms each on an H200); the towers' SDPA
-        # then takes flash or memory-efficient attention, which need none.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed else ""))
-        schema.systemone(clef_model, processor, WARM_UP_REQUEST)
-        schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
-        if expert_kernels in ("gluon", "triton"):
-            # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
-            packed_layers = [m for m in clef_model.modules() if isinstance(m, PackedNVFP4Experts)]
-            for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
-                packed_layer.compile_kernels()
-        progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
-        packed_decoder.compile_layers()
-        packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+        warm_up_engine(clef_model, schema, processor, packed_decoder, expert_kernels, progress)
     install_batched_head(clef_model, schema, processor, progress)
     if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
@@ -3329,6 +3310,34 @@ def install_tower_steps(tower: torch.nn.Module) -> TowerGraphs:
 # record), against 230-295 ms for the 48-layer text decoder. BatchedJointSchemaHead computes the same maths for the
 # whole batch at once, in a fixed number of launches, from index tensors built on the host from the records' spans.
 #
+WARM_UP_REQUEST = {"model": "warm-up", "state": "warm up", "questions": {"ready": {"type": "noul"}}}
+# A small image and a second of silence, decoded: the first forward through each tower makes the static buffers that
+# the capture of its layers' graphs needs.
+WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(16_000, dtype=np.float32)]}
+
+
+def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, processor: Any,
+                   packed_decoder: PackedTextDecoder, expert_kernels: str, progress: Callable[[str], None]) -> None:
+    """The engine's compile and graph policy, run once at load on a GPU, so that no request pays for a first time:
+    cuDNN's attention off (it builds a plan per new sequence length, ~150 ms each on an H200; the towers' SDPA then
+    takes flash or memory-efficient attention, which need none); a text and a media decision through the decision
+    module (the GPU's libraries set up, seconds, and the towers' static buffers made); the packed-expert kernels
+    compiled for every tile configuration; the text decoder's layers compiled and its graphs, and the towers', captured
+    (PackedTextDecoder.capture_graphs)."""
+    packed_layers = [module for module in clef_model.modules() if isinstance(module, PackedNVFP4Experts)]
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed_layers else ""))
+    schema.systemone(clef_model, processor, WARM_UP_REQUEST)
+    schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
+    if expert_kernels in ("gluon", "triton"):
+        # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
+        for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
+            packed_layer.compile_kernels()
+    progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
+    packed_decoder.compile_layers()
+    packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+
+
 # Dimension letters: B records, L padded length, H thinker hidden, W head width, Q questions and N options of the whole
 # batch, Qb questions and Nb options of the record that has most, K options of the question that has most, Ts tokens
 # of all question and option spans, To tokens of all option spans.

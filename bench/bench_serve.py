@@ -174,6 +174,9 @@ def swap_text_decoder(loaded, graphed: bool) -> None:
 
 def bench_mode(flags: list[str], graphs: bool) -> dict:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda", *flags])
+    # the stance is global, and a mode before this one may have left torch.compile forced eager (swap_text_decoder):
+    # each mode loads, compiles and captures as served
+    torch.compiler.set_stance("default")
     torch.cuda.reset_peak_memory_stats()
     loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
     if not graphs:

@@ -17,13 +17,13 @@ can be held against ModelOpt's own numerics. On a tiny synthetic release (synthe
    kernel (`fp4_fake_quant_block`, with the layer's exported `input_scale`) inside transformers' eager loop, the
    F.linear interception of docs/nvfp4-format.md §8.4; W4A16 runs the stock loop.
 
-Only "served vs export reference" gates (PASS/FAIL). "Served vs ModelOpt in memory" is printed for information: it
-also contains what ModelOpt's in-memory quantizers and its exporter compute differently, which no server reading the
-files can undo: the exporter's gate/up re-rounding (docs/nvfp4-format.md §3.2: gate and up of an expert get one
-shared weight_scale_2, and the half that did not own the max takes one more E4M3 rounding of its block scales), and
-the in-memory weights coming from the Triton kernel (its division, below) where the exporter quantizes in torch.
-"Export reference vs ModelOpt in memory" shows these alone, with the fraction of differing weights per projection:
-the re-rounding can touch gate or up, never down.
+Only "served vs export reference" gates (PASS/FAIL): its probabilities within TOLERANCE (a NaN fails) and its |dW| 0.
+"Served vs ModelOpt in memory" is printed for information: it also contains what ModelOpt's in-memory quantizers and
+its exporter compute differently, which no server reading the files can undo: the exporter's gate/up re-rounding
+(docs/nvfp4-format.md §3.2: gate and up of an expert get one shared weight_scale_2, and the half that did not own the
+max takes one more E4M3 rounding of its block scales), and the in-memory weights coming from the Triton kernel (its
+division, below) where the exporter quantizes in torch. "Export reference vs ModelOpt in memory" shows these alone,
+with the fraction of differing weights per projection: the re-rounding can touch gate or up, never down.
 
 Tolerance (TOLERANCE below, on max |delta p| and max TV). Served and reference run bitwise the same expert weights
 (the |dW| column of the gating rows is 0 unless serve_clef's unpack is wrong) on the same non-expert BF16 weights.
@@ -48,6 +48,7 @@ Writes $OUT/calib_gpu_check.json when OUT is set; exits 1 when a gating differen
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -135,7 +136,7 @@ def weight_differences(weights: dict, reference_weights: dict) -> dict:
                  "up": (gate_up[:, width:], gate_up_reference[:, width:]), "down": (down, down_reference)}
         for projection, (weight, reference) in pairs.items():
             difference = (weight.float() - reference.float()).abs()
-            max_abs = max(max_abs, float(difference.max()))
+            max_abs = max(max_abs, float(difference.nan_to_num(nan=math.inf).max()))  # a NaN counts as infinite
             mismatched[projection] += int((difference > 0).sum())
             total[projection] += difference.numel()
     return {"weights_max_abs_diff": max_abs,
@@ -349,8 +350,12 @@ def main() -> int:
         floor = bf16_noise_floor(release, evaluation)
     activation_gap = parity.compare(w4a16_modelopt, w4a4_modelopt)
     gating = (("W4A4", w4a4["served_vs_export_reference"]), ("W4A16", w4a16["served_vs_export_reference"]))
+    # `not <=`: a NaN fails the gate (a plain `>` would let it pass)
     failures = [f"{label} served vs export reference {key} {row[key]:.5f} > {TOLERANCE}" for label, row in gating
-                for key in ("max_abs_dp", "max_tv") if row[key] > TOLERANCE]
+                for key in ("max_abs_dp", "max_tv") if not row[key] <= TOLERANCE]
+    # served and reference run bitwise the same expert weights: any difference is serve_clef's unpack
+    failures += [f"{label} served vs export reference: the unpacked expert weights differ by up to "
+                 f"{row['weights_max_abs_diff']:.2e}" for label, row in gating if not row["weights_max_abs_diff"] == 0]
     report = {
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "modelopt": modelopt.__version__, "gpu": torch.cuda.get_device_name()},

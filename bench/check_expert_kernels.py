@@ -8,7 +8,8 @@ Checks (each counts toward the exit status; nothing is printed as OK that was no
    grouped_mm reference to within BF16 error, W4A16 and W4A4, at several token counts: the max and mean absolute
    error relative to the reference's mean absolute output are printed and gated.
 3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
-   order: that gate is tighter.
+   order: that gate is tighter (max 0.05 and mean 0.001 of the mean output, against 0.25 and 0.01 for W4A16 and 1.0
+   and 0.05 for W4A4 otherwise), W4A16 and W4A4 alike.
 2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels, W4A16 and W4A4 alike; so does the check of
 input scales per expert (older exports, which round the gate_up input once per pair). On a GPU with FP4 tensor cores
 (compute capability 10.x and later) whose torch runs the grouped FP4 matmul (serve_clef's own check at load passes),
@@ -43,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 import serve_clef  # noqa: E402
 
 TOKEN_COUNTS = (1, 64, 256, 512, 1024, 2048, 4096, 8192)
+# (max, mean) error gates relative to the mean output where only the summation order differs (power-of-two scales)
+POWER_OF_TWO_GATES = (0.05, 0.001)
 CONFIG = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 CANDIDATE_TILES = [
     serve_clef.ExpertTiles(rows, columns, reduced, warps, stages)
@@ -163,9 +166,13 @@ def main() -> int:
                 scale = reference.abs().mean()
                 max_error = ((output.float() - reference).abs().max() / scale).item()
                 mean_error = ((output.float() - reference).abs().mean() / scale).item()
-                # BF16 outputs carry 2**-9 relative rounding; W4A4 adds E2M1 steps where rounding flips
-                exact_inputs = not simulate or (power_of_two and kernels != "native")
-                max_gate, mean_gate = (0.25, 0.01) if exact_inputs else (1.0, 0.05)
+                # BF16 outputs carry 2**-9 relative rounding; W4A4 adds E2M1 steps where rounding flips. With
+                # power-of-two global scales only the summation order differs (measured: mean error 0), and the native
+                # kernels quantize their inputs themselves
+                if power_of_two and kernels != "native":
+                    max_gate, mean_gate = POWER_OF_TWO_GATES
+                else:
+                    max_gate, mean_gate = (0.25, 0.01) if not simulate else (1.0, 0.05)
                 ok = max_error <= max_gate and mean_error <= mean_gate and torch.equal(output, repeat)
                 failures += not ok
                 row = {"kernels": kernels, "power_of_two_global_scales": power_of_two, "w4a4": simulate,

@@ -133,7 +133,7 @@ def compare(reference: list[dict], candidate: list[dict]) -> dict:
     for ref, cand in zip(reference, candidate):
         p, q = np.asarray(ref["probabilities"]), np.asarray(cand["probabilities"])
         total_variations.append(0.5 * float(np.abs(p - q).sum()))
-        max_abs_difference = max(max_abs_difference, float(np.abs(p - q).max()))
+        max_abs_difference = float(np.max([max_abs_difference, np.abs(p - q).max()]))  # NaN stays NaN
         if int(p.argmax()) != int(q.argmax()):
             top2 = np.sort(p)[-2:]
             flips.append({"record_id": ref["record_id"], "question_id": ref["question_id"],
@@ -195,9 +195,10 @@ def score_with_other_experts_kernel(loaded, records: list[dict]) -> tuple[list[s
 def judge(stats: dict, synthetic_sides: list[str]) -> dict:
     """The verdict on a candidate's `compare` statistics against the gates of docs/nvfp4-format.md §6."""
     failed = []
-    if stats["top1_agreement"] < MIN_TOP1_AGREEMENT:
+    # `not`: a NaN statistic (NaN probabilities) fails its gate, where `<` and `>` would pass it
+    if not stats["top1_agreement"] >= MIN_TOP1_AGREEMENT:
         failed.append(f"top1_agreement {stats['top1_agreement']:.3f} < {MIN_TOP1_AGREEMENT}")
-    if stats["mean_tv"] > MAX_MEAN_TV:
+    if not stats["mean_tv"] <= MAX_MEAN_TV:
         failed.append(f"mean_tv {stats['mean_tv']:.4f} > {MAX_MEAN_TV}")
     if synthetic_sides:
         verdict = "not judged"

@@ -84,7 +84,9 @@ def test_records_are_deterministic_disjoint_and_follow_the_recipe():
 
 def test_records_encode_with_the_release_processor(tiny_release):
     processor = joint_schema_model.load_processor(tiny_release)
-    for record in calibration_records(40):  # the first 40 hold an image, audio and a video
+    records = calibration_records(40)
+    assert all(any(field in record for record in records) for field in ("images", "audio", "videos"))
+    for record in records:
         encoded = joint_schema_model.encode_record(processor.tokenizer, record, processor=processor)
         assert len(encoded.questions) == len(record["questions"])
         assert (encoded.media is not None) == any(key in record for key in ("images", "audio", "videos"))
@@ -371,6 +373,17 @@ def test_compare_on_hand_computed_probabilities():
     assert same["top1_agreement"] == 1.0 and same["max_tv"] == 0.0 and same["flips"] == []
     with pytest.raises(ValueError, match="scored different questions or options"):
         parity.compare(reference, candidate[:1] + [_scored("b", ["u", "v"], [0.5, 0.5])])
+
+
+def test_nan_probabilities_fail_the_gates():
+    """A candidate whose probabilities are NaN (a broken kernel) fails the parity gates and shows NaN in its
+    statistics, rather than passing every `<`/`>` comparison."""
+    reference = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [0.4, 0.6])]
+    candidate = [_scored("a", ["x", "y"], [0.7, 0.3]), _scored("b", ["u", "v"], [math.nan, math.nan])]
+    stats = parity.compare(reference, candidate)
+    assert math.isnan(stats["max_abs_dp"]) and math.isnan(stats["mean_tv"])
+    verdict = parity.judge(stats, synthetic_sides=[])
+    assert verdict["verdict"] == "fail" and any("mean_tv" in failure for failure in verdict["failed_gates"])
 
 
 def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_path):

@@ -143,8 +143,17 @@ def test_modelopt_layouts_before_0_43_answer_like_their_weights(nvfp4_export, ti
     reference = write_checkpoint(nvfp4_export, tmp_path / "bf16", dequantised(tensors))
     assert f"written by modelopt {version}" in "\n".join(console(old))
     assert_same_answers(old, reference)
-    w4a16, w4a4 = raw_probabilities(load(old)), raw_probabilities(load(old, "--simulate-fp4-activations"))
+    replayed = load(old, "--simulate-fp4-activations")
+    w4a16, w4a4 = raw_probabilities(load(old)), raw_probabilities(replayed)
     assert any(not torch.equal(a, b) for a, b in zip(w4a16, w4a4, strict=True))
+    # the replay rounds each expert's inputs with that expert's own scales, as the checkpoint holds them
+    layers = [module for module in replayed.model.modules() if isinstance(module, serve_clef.PackedNVFP4Experts)]
+    assert len(layers) == NUM_LAYERS
+    for layer, experts in enumerate(layers):
+        for buffer, projection in (("gate_up_input_scale", "gate_proj"), ("down_input_scale", "down_proj")):
+            expected = torch.stack([tensors[EXPERT.format(layer=layer, expert=expert, projection=projection)
+                                            + "input_scale"].float().reshape(()) for expert in range(NUM_EXPERTS)])
+            assert torch.equal(getattr(experts, buffer), expected), (layer, buffer)
 
 
 def test_per_expert_input_scales_replay_like_the_packed_kernels(nvfp4_export, tmp_path):
@@ -439,6 +448,7 @@ def test_simulated_activations_round_the_inputs_of_quantized_attention(everythin
                                          prepend=True)
         module.register_forward_hook(lambda m, args, out, p=projection: seen[p].append(args[0]))
     raw_probabilities(loaded)
+    assert set(seen) == {"q_proj", "o_proj"}  # both ran, once each (two inputs: raw, then rounded)
     for projection, (raw, rounded) in seen.items():
         input_scale = float(tensors[f"thinker.model.layers.1.self_attn.{projection}.input_scale"])
         assert not torch.equal(raw, rounded)

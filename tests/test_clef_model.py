@@ -170,8 +170,12 @@ def test_silent_video_is_seen_not_heard(clef, mp4_silent_bytes):
 
 
 def test_video_frames_are_sampled_at_two_fps_and_even(mp4_with_audio_bytes):
+    """The 2 s clip at 8 fps gives the frames at 0, 0.5, 1 and 1.5 s: every fourth frame FFmpeg decodes from it."""
     frames, track = jsm.load_video(mp4_with_audio_bytes)
-    assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.shape[0] % 2 == 0
+    with av.open(io.BytesIO(mp4_with_audio_bytes)) as container:
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]  # [H, W, 3] each
+    assert len(decoded) == 16 and frames.shape == (4, *decoded[0].shape)
+    assert all(np.array_equal(frames[index], decoded[4 * index]) for index in range(4))
     assert track is not None and track.dtype.name == "float32"
 
 
@@ -237,11 +241,11 @@ def test_video_frames_converted_on_one_thread_equal_ffmpeg_s_threaded_conversion
 def test_bad_media_raise_clear_value_errors(clef, wav_bytes, png_bytes):
     _, processor = clef
     cases = [
-        ({"images": [b"not an image"]}, "image"),
-        ({"audio": [b"not audio at all"]}, "audio"),
-        ({"videos": [b"not a video"]}, "video"),
+        ({"images": [b"not an image"]}, "image could not be decoded"),
+        ({"audio": [b"not audio at all"]}, "audio could not be decoded"),
+        ({"videos": [b"not a video"]}, "video could not be decoded"),
         ({"videos": [wav_bytes]}, "video has no video stream"),
-        ({"audio": [png_bytes]}, "audio"),
+        ({"audio": [png_bytes]}, "audio has no decodable audio stream"),
     ]
     for media, phrase in cases:
         record = {"state": "s", "questions": {"q": {"type": "noul"}}, **media}

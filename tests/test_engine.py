@@ -135,18 +135,25 @@ def test_logits_to_host_keeps_each_record_s_questions_in_order():
 
 
 def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_requests):
-    """The decision module's collation, made on the host and then moved, holds the same keys, values and records."""
+    """The decision module's collation, made on the host and then moved, holds the same keys and records, and every
+    tensor (the media's among them) is moved, with its host copy kept for host reads. Moved to the meta device, so
+    that a tensor left behind on the host shows (a move to the CPU would hand back the same tensors)."""
     encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in mixed_requests]
     batch = loaded.schema.collate_records(encoded, loaded.processor.tokenizer.pad_token_id, "cpu")
-    moved = serve_clef.batch_to_device(batch, torch.device("cpu"))
+    moved = serve_clef.batch_to_device(batch, torch.device("meta"))
     assert moved.keys() == batch.keys() and moved["records"] == batch["records"]
     assert all(a is b for a, b in zip(moved["records"], batch["records"], strict=True))
-    assert torch.equal(moved["input_ids"], batch["input_ids"])
-    assert torch.equal(moved["attention_mask"], batch["attention_mask"])
-    assert moved["media"].keys() == batch["media"].keys() and "pixel_values_videos" in batch["media"]
+    assert batch["media"].keys() == moved["media"].keys() and "pixel_values_videos" in batch["media"]
+    tensors = [(batch[key], moved[key]) for key in ("input_ids", "attention_mask")]
     for key, value in batch["media"].items():
-        moved_value = moved["media"][key]
-        assert torch.equal(moved_value, value) if isinstance(value, torch.Tensor) else moved_value == value
+        if isinstance(value, torch.Tensor):
+            tensors.append((value, moved["media"][key]))
+        else:
+            assert moved["media"][key] == value
+    assert len(tensors) > 4  # the media's tensors are among them
+    for host, on_device in tensors:
+        assert on_device.device.type == "meta" and on_device.shape == host.shape and on_device.dtype == host.dtype
+        assert serve_clef.host_values(on_device) is host
 
 
 def test_a_batch_moved_to_the_device_is_read_from_its_host_copy():
@@ -458,9 +465,9 @@ def test_decide_answers_as_the_decision_modules_own_systemone(loaded, png_bytes,
     same model: the same forward, so the same answers."""
     media = [{}, {"images": [data_url("image/png", png_bytes)]}, {"audio": [data_url("audio/wav", wav_bytes)]},
              {"videos": [data_url("video/mp4", mp4_with_audio_bytes)]}]
-    for request in REQUESTS:
-        for medium in media:
-            request = {**request, **medium}
+    for text in REQUESTS:
+        for medium in media:  # each medium alone with the text
+            request = {**text, **medium}
             ours = serve_clef.decide(loaded, request, 4096)
             reference = loaded.schema.systemone(loaded.model, loaded.processor, request, 4096)
             assert ours["answers"] == reference["answers"]

@@ -58,6 +58,24 @@ def test_the_default_device_is_chosen_at_load():
     assert next(loaded.model.parameters()).device.type == expected
 
 
+def test_the_default_device_is_cuda_where_torch_has_one(monkeypatch):
+    """The other branch of the default, on a machine without a GPU: torch told it has one, the load goes to CUDA
+    (stopped at the first step that takes the device)."""
+    import torch
+
+    class DeviceChosen(Exception):
+        pass
+
+    def synthetic_checkpoint(model, device, progress):
+        raise DeviceChosen(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(serve_clef, "synthetic_checkpoint", synthetic_checkpoint)
+    with pytest.raises(DeviceChosen) as chosen:
+        serve_clef.load_from_args(serve_clef.parse_args(["--model", "synthetic"]), progress=lambda line: None)
+    assert chosen.value.args == (torch.device("cuda"),)
+
+
 # ---- parity verdict -------------------------------------------------------------------------------------------------
 
 def documented_gates() -> tuple[float, float]:

@@ -201,5 +201,10 @@ def test_content_types_and_encodings(session_and_url, content_type, encoding, co
 
 
 def test_the_answer_after_fuzzing_equals_the_answer_before(session_and_url, answer_before_fuzzing):
+    """After the tests above, and a few bad bodies of its own (so that, run alone, it does not compare two answers
+    taken back to back): raw bytes, a field of the wrong type, an image that does not decode."""
+    broken_image = {**GOOD_REQUEST, "images": ["data:image/png;base64," + base64.b64encode(MEDIA_PREFIXES[0]).decode()]}
+    for body in (b"\xff\xfe{", b'{"model": 1, "state": "s", "questions": {}}', json.dumps(broken_image).encode()):
+        check(*session_and_url, body)
     assert answer_of(*session_and_url, GOOD_REQUEST) == answer_before_fuzzing
 

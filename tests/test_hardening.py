@@ -488,7 +488,10 @@ def test_sigterm_exits_0_promptly_with_half_open_connections_and_removes_tempora
             clients.append(client)
         wait_until_ready(f"http://127.0.0.1:{port}", process=process)  # answered after the 300 were taken in
         process.send_signal(signal.SIGTERM)
-        returncode = process.wait(timeout=120)
+        # within the drain and some slack for a slow machine, well before the bodies' own 60 s timeout would end the
+        # half-open requests anyway (which a server that did not drain and cancel would wait for)
+        assert serve_clef.SHUTDOWN_DRAIN_S + 30 < serve_clef.BODY_READ_TIMEOUT_S
+        returncode = process.wait(timeout=serve_clef.SHUTDOWN_DRAIN_S + 30)
     finally:
         for client in clients:
             client.close()

@@ -31,7 +31,7 @@ import soundfile
 import torch
 import uvicorn
 import zstandard
-from PIL import Image
+from PIL import Image, ImageFile
 
 import joint_schema_model
 import serve_clef
@@ -341,10 +341,16 @@ def test_unprocessable_requests_get_422_naming_the_field(server, request_body, p
     assert post(server, GOOD_REQUEST).status_code == 200
 
 
-def test_image_over_16_megapixels_is_refused_before_decoding(server):
+def test_image_over_16_megapixels_is_refused_before_decoding(server, monkeypatch):
     buffer = io.BytesIO()
     Image.new("L", (5000, 4000)).save(buffer, format="PNG")  # 20 MP, a few KB compressed
-    response = post(server, media("images", data_url("image/png", buffer.getvalue())))
+    body = media("images", data_url("image/png", buffer.getvalue()))
+
+    def decode_pixels(image):
+        raise AssertionError("the 20 MP image's pixels were decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decode_pixels)  # the server runs in this process (a thread)
+    response = post(server, body)
     body = check_error_body(response, 422, "16 megapixels")
     assert body["error"]["param"] == "images.0"
 

@@ -73,7 +73,8 @@ def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monk
             first = pool.submit(post, base_url, request_with_id(0))
             assert held.started.acquire(timeout=TIMEOUT_S)  # r0 holds the device; the next seven queue behind it
             rest = [pool.submit(post, base_url, request_with_id(number)) for number in range(1, 8)]
-            time.sleep(1.0)  # most of the seven prepared and waiting
+            wait_until_queued(base_url, 8)  # all seven arrived
+            time.sleep(1.0)  # and prepared, most of them, while r0 still holds the device
             held.go.set()
             responses = [first.result(), *(future.result() for future in rest)]
     assert all(response.status_code == 200 for response in responses)
