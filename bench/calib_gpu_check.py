@@ -355,7 +355,7 @@ def main() -> int:
                 for key in ("max_abs_dp", "max_tv") if not row[key] <= TOLERANCE]
     # served and reference run bitwise the same expert weights: any difference is serve_clef's unpack
     failures += [f"{label} served vs export reference: the unpacked expert weights differ by up to "
-                 f"{row['weights_max_abs_diff']:.2e}" for label, row in gating if not row["weights_max_abs_diff"] == 0]
+                 f"{row['weights_max_abs_diff']:.2e}" for label, row in gating if row["weights_max_abs_diff"] != 0]
     report = {
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "modelopt": modelopt.__version__, "gpu": torch.cuda.get_device_name()},

@@ -88,7 +88,7 @@ def main() -> int:
         )
     experts.gate_up_input_scale.fill_(3.0 / (6 * 448))
     experts.down_input_scale.fill_(0.05 / (6 * 448))
-    failures = 0
+    failures, not_run = 0, []  # not_run: checks that could not run here, named in the last line
 
     packed = (experts.gate_up_packed_codes, experts.gate_up_block_scales, experts.gate_up_global_scale)
     packed_down = (experts.down_packed_codes, experts.down_block_scales, experts.down_global_scale)
@@ -120,8 +120,9 @@ def main() -> int:
     activations = (torch.randn(512, 2048, generator=generator, device=device) * 3).to(torch.bfloat16)
     try:
         from modelopt.torch.kernels.quantization.gemm.fp4_kernel_hopper import fp4_fake_quant_block
-    except ImportError as error:
-        print(f"ModelOpt fake-quant comparison skipped ({error})")
+    except ImportError as error:  # not run is not passed: the final line says so
+        not_run.append(f"the activation replay vs ModelOpt's fp4_fake_quant_block ({error})")
+        print(f"ModelOpt fake-quant comparison NOT RUN ({error})")
     else:
         global_amax = torch.tensor(11.0, device=device)  # calibrated activation amax
         input_scale = global_amax.float() / (6.0 * 448.0)  # what the exporter writes, as the kernel derives it
@@ -150,7 +151,12 @@ def main() -> int:
         forward_ms = cuda_ms(lambda: experts.forward_unpacked(*routing))
         print(f"packed layer forward (unpack path), 512 tokens, top-8, simulate_fp4_activations={simulate}: "
               f"{forward_ms:.2f} ms")
-    print("FAILED" if failures else "OK")
+    if failures:
+        print("FAILED")
+    elif not_run:
+        print("OK for what ran; NOT RUN: " + "; ".join(not_run))
+    else:
+        print("OK")
     return 1 if failures else 0
 
 

@@ -343,7 +343,7 @@ def test_parity_report_against_an_independent_recomputation(tiny_release, nvfp4_
     on_disk = 0
     for shard in tiny_release.glob("*.safetensors"):
         with safetensors.safe_open(shard, "pt") as tensors:
-            on_disk += sum(tensors.get_tensor(name).nbytes for name in tensors.keys()
+            on_disk += sum(tensors.get_tensor(name).nbytes for name in tensors.keys()  # noqa: SIM118 (not a dict)
                            if not serve_clef.is_talker_tensor(name))
     model = serve_clef.load_from_args(serve_clef.parse_args(["--model", str(tiny_release), "--device", "cpu"]),
                                       progress=lambda message: None).model
