@@ -186,6 +186,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -198,6 +199,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers import vision_utils
 from transformers.integrations.moe import grouped_mm_experts_forward
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from typing_extensions import TypeAliasType
 
 # torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
@@ -4364,6 +4366,22 @@ def error_body(status: int, message: str, error_type: str, loc: tuple = ("body",
     }
 
 
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, whose answer to bytes it cannot parse as a request (a garbage request line, a
+    Content-Length that is not a number) is the error shape of every other answer (docs/api.md §6.1), in JSON; uvicorn
+    writes it as plain text, before any application sees the request."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): send a request "
+                                          "line, headers and body as HTTP/1.1 frames them", "invalid_http")).encode()
+        for event in (h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                          (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                          (b"connection", b"close")]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
 def error_response(error: RequestError, **fields: Any) -> JSONResponse:
     """The JSON response for a refusal, with `fields` placed before the error keys."""
     headers = {}
@@ -5006,8 +5024,8 @@ def main(argv: list[str] | None = None) -> int:
     # synthetic checkpoint's temporary folder), where Python's own would leave 143 or a KeyboardInterrupt traceback.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda signal_number, frame: sys.exit(0))
-    uvicorn.run(create_app(args), host=args.host, port=args.port, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
-                timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
+    uvicorn.run(create_app(args), host=args.host, port=args.port, http=JsonErrorsH11Protocol,
+                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0
 
 
