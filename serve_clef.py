@@ -1498,6 +1498,15 @@ class PackedNVFP4Experts(torch.nn.Module):
         gate_scale, up_scale = self.gate_up_global_scale.unbind(1)
         self.register_buffer("up_over_gate_scale", None if torch.equal(gate_scale, up_scale) else up_scale / gate_scale)
 
+    def use_kernels(self, kernels: str) -> None:
+        """Compute with `kernels` ("gluon", "triton", "native" or "unpack": resolve_expert_kernels) from now on, with
+        this layer's weights laid out once, here, as those kernels read them."""
+        self.kernels = kernels
+        if kernels == "gluon":
+            self.to_fragment_order()
+        elif kernels == "native":
+            self.to_native_order()
+
     def checkpoint_layout(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A projection's packed codes uint8 [E, O, C/2] and block scales float8_e4m3fn [E, O, C/16] as checkpoints
         lay them out, whichever way they are kept (after to_fragment_order or to_native_order, the same weights: a
@@ -1646,7 +1655,10 @@ class PackedNVFP4Experts(torch.nn.Module):
 
     @torch.no_grad()
     def compile_kernels(self) -> None:
-        """Run this layer's kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
+        """Run this layer's kernels once per tile configuration, so that no request pays Triton's compile (seconds).
+        The unpack path and the native kernels (torch's own matmul) have nothing of ours to compile."""
+        if self.kernels not in ("gluon", "triton"):
+            return
         forward, table = ((self.forward_fragments, FRAGMENT_TILES) if self.kernels == "gluon"
                           else (self.forward_packed, EXPERT_TILES))
         generator = torch.Generator(self.gate_up_global_scale.device).manual_seed(0)
@@ -2598,11 +2610,7 @@ def load_clef(
     for experts in experts_modules(thinker).values():
         if isinstance(experts, PackedNVFP4Experts):
             experts.simulate_fp4_activations = simulate_fp4_activations
-            experts.kernels = expert_kernels
-            if expert_kernels == "gluon":
-                experts.to_fragment_order()
-            if expert_kernels == "native":
-                experts.to_native_order()
+            experts.use_kernels(expert_kernels)
 
     head_config_path = checkpoint_dir / "joint_head_config.json"
     head_config = read_checkpoint_json(head_config_path)
@@ -2635,7 +2643,7 @@ def load_clef(
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
         torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
-        warm_up_engine(clef_model, schema, processor, packed_decoder, expert_kernels, progress)
+        warm_up_engine(clef_model, schema, processor, packed_decoder, progress)
     install_batched_head(clef_model, schema, processor, progress)
     if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
@@ -3172,7 +3180,7 @@ WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(
 
 
 def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, processor: Any,
-                   packed_decoder: PackedTextDecoder, expert_kernels: str, progress: Callable[[str], None]) -> None:
+                   packed_decoder: PackedTextDecoder, progress: Callable[[str], None]) -> None:
     """The engine's compile and graph policy, run once at load on a GPU, so that no request pays for a first time:
     cuDNN's attention off (it builds a plan per new sequence length, ~150 ms each on an H200; the towers' SDPA then
     takes flash or memory-efficient attention, which need none); a text and a media decision through the decision
@@ -3184,10 +3192,9 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
     progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed_layers else ""))
     schema.systemone(clef_model, processor, WARM_UP_REQUEST)
     schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
-    if expert_kernels in ("gluon", "triton"):
-        # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
-        for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
-            packed_layer.compile_kernels()
+    # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
+    for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
+        packed_layer.compile_kernels()
     progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
     packed_decoder.compile_layers()
     packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
