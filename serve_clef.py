@@ -2140,7 +2140,14 @@ def load_processor(checkpoint_dir: Path, schema: types.ModuleType):
     if hasattr(schema, "load_processor"):
         processor = schema.load_processor(checkpoint_dir)
     else:
-        processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        except ImportError as error:  # Qwen3-Omni's video processor imports torchvision
+            first_sentence = " ".join(str(error).split()).split(". ")[0]
+            raise CheckpointError(
+                f"{checkpoint_dir}'s processor cannot be built here ({first_sentence}): install torchvision, the "
+                "build matching your torch; the release's Qwen3-Omni processor needs it"
+            ) from None
     # A state is tokenised whole, then cut to --max-length by encode_record, so the tokenizer's own limit (65,536 in
     # the release's tokenizer_config.json) would only warn, misleadingly, of "indexing errors" on every long state.
     processor.tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
