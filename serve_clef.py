@@ -172,6 +172,7 @@ if __name__ == "__main__":
     parse_args()  # exits here on --help or a bad flag; main() parses again once everything below is defined
 
 import av
+import h11
 import huggingface_hub
 import numpy as np
 import PIL.Image
@@ -186,7 +187,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -199,8 +199,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers import vision_utils
 from transformers.integrations.moe import grouped_mm_experts_forward
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from typing_extensions import TypeAliasType
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
 # torch.jit.script_method: torch's own deprecation, nothing a user of serve_clef can act on.
