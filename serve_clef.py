@@ -172,6 +172,7 @@ if __name__ == "__main__":
     parse_args()  # exits here on --help or a bad flag; main() parses again once everything below is defined
 
 import av
+import h11
 import huggingface_hub
 import numpy as np
 import PIL.Image
@@ -199,6 +200,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from transformers import vision_utils
 from transformers.integrations.moe import grouped_mm_experts_forward
 from typing_extensions import TypeAliasType
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # torch.compile (below) imports torch._inductor, which still builds torch.utils.mkldnn's modules with the deprecated
 # torch.jit.script_method: torch's own deprecation, nothing a user of serve_clef can act on.
@@ -1604,6 +1606,15 @@ class PackedNVFP4Experts(torch.nn.Module):
         gate_scale, up_scale = self.gate_up_global_scale.unbind(1)
         self.register_buffer("up_over_gate_scale", None if torch.equal(gate_scale, up_scale) else up_scale / gate_scale)
 
+    def use_kernels(self, kernels: str) -> None:
+        """Compute with `kernels` ("gluon", "triton", "native" or "unpack": resolve_expert_kernels) from now on, with
+        this layer's weights laid out once, here, as those kernels read them."""
+        self.kernels = kernels
+        if kernels == "gluon":
+            self.to_fragment_order()
+        elif kernels == "native":
+            self.to_native_order()
+
     def checkpoint_layout(self, group: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A projection's packed codes uint8 [E, O, C/2] and block scales float8_e4m3fn [E, O, C/16] as checkpoints
         lay them out, whichever way they are kept (after to_fragment_order or to_native_order, the same weights: a
@@ -1754,7 +1765,10 @@ class PackedNVFP4Experts(torch.nn.Module):
 
     @torch.no_grad()
     def compile_kernels(self) -> None:
-        """Run this layer's kernels once per tile configuration, so that no request pays Triton's compile (seconds)."""
+        """Run this layer's kernels once per tile configuration, so that no request pays Triton's compile (seconds).
+        The unpack path and the native kernels (torch's own matmul) have nothing of ours to compile."""
+        if self.kernels not in ("gluon", "triton"):
+            return
         forward, table = ((self.forward_fragments, FRAGMENT_TILES) if self.kernels == "gluon"
                           else (self.forward_packed, EXPERT_TILES))
         generator = torch.Generator(self.gate_up_global_scale.device).manual_seed(0)
@@ -2236,7 +2250,14 @@ def load_processor(checkpoint_dir: Path, schema: types.ModuleType):
     if hasattr(schema, "load_processor"):
         processor = schema.load_processor(checkpoint_dir)
     else:
-        processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(checkpoint_dir)
+        except ImportError as error:  # Qwen3-Omni's video processor imports torchvision
+            first_sentence = " ".join(str(error).split()).split(". ")[0]
+            raise CheckpointError(
+                f"{checkpoint_dir}'s processor cannot be built here ({first_sentence}): install torchvision, the "
+                "build matching your torch; the release's Qwen3-Omni processor needs it"
+            ) from None
     # A state is tokenised whole, then cut to --max-length by encode_record, so the tokenizer's own limit (65,536 in
     # the release's tokenizer_config.json) would only warn, misleadingly, of "indexing errors" on every long state.
     processor.tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
@@ -2706,11 +2727,7 @@ def load_clef(
     for experts in experts_modules(thinker).values():
         if isinstance(experts, PackedNVFP4Experts):
             experts.simulate_fp4_activations = simulate_fp4_activations
-            experts.kernels = expert_kernels
-            if expert_kernels == "gluon":
-                experts.to_fragment_order()
-            if expert_kernels == "native":
-                experts.to_native_order()
+            experts.use_kernels(expert_kernels)
 
     head_config_path = checkpoint_dir / "joint_head_config.json"
     head_config = read_checkpoint_json(head_config_path)
@@ -2743,7 +2760,7 @@ def load_clef(
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
         torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
-        warm_up_engine(clef_model, schema, processor, packed_decoder, expert_kernels, progress)
+        warm_up_engine(clef_model, schema, processor, packed_decoder, progress)
     install_batched_head(clef_model, schema, processor, progress)
     if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
@@ -3317,7 +3334,7 @@ WARM_UP_MEDIA = {"images": [PIL.Image.new("RGB", (64, 64))], "audio": [np.zeros(
 
 
 def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, processor: Any,
-                   packed_decoder: PackedTextDecoder, expert_kernels: str, progress: Callable[[str], None]) -> None:
+                   packed_decoder: PackedTextDecoder, progress: Callable[[str], None]) -> None:
     """The engine's compile and graph policy, run once at load on a GPU, so that no request pays for a first time:
     cuDNN's attention off (it builds a plan per new sequence length, ~150 ms each on an H200; the towers' SDPA then
     takes flash or memory-efficient attention, which need none); a text and a media decision through the decision
@@ -3329,10 +3346,9 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
     progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed_layers else ""))
     schema.systemone(clef_model, processor, WARM_UP_REQUEST)
     schema.systemone(clef_model, processor, {**WARM_UP_REQUEST, **WARM_UP_MEDIA})
-    if expert_kernels in ("gluon", "triton"):
-        # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
-        for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
-            packed_layer.compile_kernels()
+    # a layer of each W4A4 replay mode (one rounding per token, or per pair), so that both are compiled
+    for packed_layer in {layer.gate_up_input_scales_shared: layer for layer in packed_layers}.values():
+        packed_layer.compile_kernels()
     progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
     packed_decoder.compile_layers()
     packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
@@ -4511,6 +4527,22 @@ def error_body(status: int, message: str, error_type: str, loc: tuple = ("body",
     }
 
 
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, whose answer to bytes it cannot parse as a request (a garbage request line, a
+    Content-Length that is not a number) is the error shape of every other answer (docs/api.md §6.1), in JSON; uvicorn
+    writes it as plain text, before any application sees the request."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): send a request "
+                                          "line, headers and body as HTTP/1.1 frames them", "invalid_http")).encode()
+        for event in (h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                          (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                          (b"connection", b"close")]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
 def error_response(error: RequestError, **fields: Any) -> JSONResponse:
     """The JSON response for a refusal, with `fields` placed before the error keys."""
     headers = {}
@@ -5153,8 +5185,8 @@ def main(argv: list[str] | None = None) -> int:
     # synthetic checkpoint's temporary folder), where Python's own would leave 143 or a KeyboardInterrupt traceback.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda signal_number, frame: sys.exit(0))
-    uvicorn.run(create_app(args), host=args.host, port=args.port, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
-                timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
+    uvicorn.run(create_app(args), host=args.host, port=args.port, http=JsonErrorsH11Protocol,
+                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0
 
 

@@ -375,6 +375,33 @@ def test_the_module_dispatches_by_its_kernels_choice(monkeypatch):
     assert calls == []  # on CPU the triton choice always runs the kernels
 
 
+@pytest.mark.parametrize("kernels, layout_buffers", [
+    ("unpack", {"gate_up_block_scales", "down_block_scales"}),
+    ("triton", {"gate_up_block_scales", "down_block_scales"}),
+    ("gluon", {"gate_up_fragment_words", "gate_up_fragment_scales", "down_fragment_words", "down_fragment_scales"}),
+    ("native", {"gate_up_blocked_scales", "down_blocked_scales"}),
+])
+def test_each_kernels_choice_lays_the_weights_out_once_as_its_kernels_read_them(kernels, layout_buffers, monkeypatch):
+    """use_kernels: the gluon kernels read the codes in their fragment order, the native ones the block scales in
+    the tensor cores' tiles, the others the checkpoint's layout; each layout holds the same weights. Only the Triton
+    and gluon kernels are compiled at load."""
+    config = tiny_text_config()
+    config.hidden_size, config.moe_intermediate_size = 128, 64  # whole fragments for the gluon layout
+    experts = random_packed_experts(config, has_input_scales=True)
+    weights = experts.unpacked()
+    experts.use_kernels(kernels)
+    names = {name for name, _ in experts.named_buffers()}
+    assert experts.kernels == kernels and layout_buffers <= names
+    other_layouts = {"gate_up_block_scales", "gate_up_fragment_words", "gate_up_blocked_scales"} - layout_buffers
+    assert not other_layouts & names
+    assert all(torch.equal(got, want) for got, want in zip(experts.unpacked(), weights, strict=True))
+    calls = []  # what compile_kernels runs, recorded instead of run
+    for forward in ("forward_packed", "forward_fragments", "forward_native", "forward_unpacked"):
+        monkeypatch.setattr(experts, forward, lambda *inputs, forward=forward: calls.append(forward))
+    experts.compile_kernels()
+    assert set(calls) == {"triton": {"forward_packed"}, "gluon": {"forward_fragments"}}.get(kernels, set())
+
+
 def test_expert_kernels_choice_is_checked_at_load(monkeypatch):
     def kernels(choice, device="cpu"):
         return serve_clef.resolve_expert_kernels(choice, torch.device(device))

@@ -411,6 +411,29 @@ def test_bodies_that_do_not_parse_get_422_json_invalid(server, body, phrase, loc
     assert post(server, GOOD_REQUEST).status_code == 200
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+], ids=["no-request-line", "content-length-not-a-number"])
+def test_bytes_that_are_not_http_get_a_json_400(server, request_bytes):
+    """What uvicorn cannot parse as HTTP/1.1 is answered before the application sees it: in JSON, in the error shape,
+    like every other error (the contract), not uvicorn's plain text."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as client:
+        client.sendall(request_bytes)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in header_lines)}
+    assert status_line.startswith("HTTP/1.1 400") and headers["content-type"] == "application/json"
+    payload = json.loads(body)
+    assert payload["detail"]["error_type"] == "invalid_http" and payload["error"]["type"] == "invalid_request_error"
+    assert payload["detail"]["message"].startswith("the request is not valid HTTP/1.1")
+    assert post(server, GOOD_REQUEST).status_code == 200
+
+
 @pytest.mark.parametrize("body", [b'["model", "state"]', b'"just a string"'])
 def test_bodies_that_are_not_json_objects_get_422(server, body):
     check_error_body(post(server, body, {"Content-Type": "application/json"}), 422, "must be a JSON object")
@@ -623,7 +646,8 @@ def test_health_when_ready(server):
 def serve_in_thread(app):
     """A real uvicorn server for `app` on a free loopback port, in a thread of this process."""
     port = free_port()
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                   http=serve_clef.JsonErrorsH11Protocol))  # as main serves
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

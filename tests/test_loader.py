@@ -3,6 +3,7 @@ W4A16), both tensor-name layouts, the synthetic model, a model directory's own j
 checkpoints that must fail naming the tensor.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -279,6 +280,19 @@ def test_model_directory_with_its_own_joint_schema_model_is_served_through_it(nv
     assert loaded.schema is not joint_schema_model
     assert Path(loaded.schema.__file__) == own / "joint_schema_model.py"
     assert loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)["answers"]["done"]["marker"] == "own copy"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="needs a machine without torchvision")
+def test_a_release_processor_that_needs_torchvision_is_refused_in_one_line_without_it(nvfp4_export, tmp_path):
+    """A release's own decision file has no load_processor (the spec's): the processor comes from transformers'
+    AutoProcessor, whose Qwen3-Omni video processor imports torchvision; without it the load says so."""
+    own = tmp_path / "own"
+    shutil.copytree(nvfp4_export, own)
+    source = Path(joint_schema_model.__file__).read_text()
+    (own / "joint_schema_model.py").write_text(source + "\n\ndel load_processor  # as the release's file has none\n")
+    with pytest.raises(serve_clef.CheckpointError, match=r"processor cannot be built here \(.*Torchvision.*\): "
+                                                         r"install torchvision"):
+        load(own)
 
 
 def test_hub_id_that_cannot_be_downloaded_fails_with_one_clear_line():
