@@ -9,9 +9,13 @@
 #   "numpy",
 #   "pillow",
 #   "av>=17",  # VideoFrame.to_ndarray(threads=...)
+#   "triton",
 #   "fastapi",
 #   "uvicorn",
 #   "requests",
+#   "prometheus-client",
+#   "zstandard",
+#   "python-multipart",
 #   "tqdm",
 # ]
 # ///

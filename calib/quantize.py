@@ -12,6 +12,12 @@
 #   "numpy",
 #   "pillow",
 #   "av>=17",  # VideoFrame.to_ndarray(threads=...)
+#   "triton",  # serve_clef's own imports (the export check uses its loader's validator)
+#   "fastapi",
+#   "uvicorn",
+#   "prometheus-client",
+#   "zstandard",
+#   "python-multipart",
 #   "tqdm",
 # ]
 # ///
