@@ -9,6 +9,7 @@ import base64
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -77,6 +78,23 @@ def test_the_default_device_is_cuda_where_torch_has_one(monkeypatch):
 
 
 # ---- parity verdict -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["a port in use", "a host of no machine"])
+def test_an_address_that_cannot_be_listened_on_is_refused_in_one_line_before_loading(where):
+    """A second server on a taken port, or a mistyped --host, gets one line saying what to change, exit status 2,
+    and nothing is loaded (uvicorn alone said it after the model's load had begun, with exit status 3)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        host, port = ("127.0.0.1", taken.getsockname()[1]) if where == "a port in use" else ("no-such-host.invalid",
+                                                                                         8000)
+        completed = subprocess.run(
+            [sys.executable, serve_clef.__file__, "--model", "synthetic", "--device", "cpu", "--host", host,
+             "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines()[-1].startswith(f"serve_clef: cannot listen on {host}:{port} (")
+    assert "synthetic checkpoint" not in completed.stderr and "Traceback" not in completed.stderr
+
 
 def documented_gates() -> tuple[float, float]:
     """(minimum top-1 agreement, maximum mean TV) as docs/nvfp4-format.md §6 states them."""
