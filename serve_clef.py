@@ -87,6 +87,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1 to 65535)")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="serve_clef.py",
@@ -102,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
     parser.add_argument("--device", help="Torch device to run on. Default: cuda when available, else cpu.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    parser.add_argument("--port", type=port_number, default=8000, help="Port to listen on. Default: 8000.")
     parser.add_argument("--demo", action="store_true",
                         help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
     parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")

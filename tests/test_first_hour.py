@@ -35,15 +35,19 @@ def imported_modules(importtime_log: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("flags, status", [(["--help"], 0), (["--no-such-flag"], 2)])
-def test_the_command_line_answers_before_torch_is_imported(flags, status):
+@pytest.mark.parametrize("flags, status, refusal", [
+    (["--help"], 0, None),
+    (["--no-such-flag"], 2, "serve_clef.py: error: unrecognized arguments: --no-such-flag"),
+    (["--port", "70000"], 2, "serve_clef.py: error: argument --port: 70000 is not a TCP port (1 to 65535)"),
+])
+def test_the_command_line_answers_before_torch_is_imported(flags, status, refusal):
     completed = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "serve_clef.py"), *flags],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == status
     if status == 0:
         assert completed.stdout.startswith("usage: serve_clef.py") and "--expert-kernels" in completed.stdout
     else:
-        assert "serve_clef.py: error: unrecognized arguments: --no-such-flag" in completed.stderr
+        assert refusal in completed.stderr
     imported = imported_modules(completed.stderr)
     assert "argparse" in imported  # the log is the one that lists what ran
     assert not imported & set(HEAVY_MODULES), imported & set(HEAVY_MODULES)
