@@ -52,6 +52,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -86,6 +87,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1 to 65535)")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="serve_clef.py",
@@ -101,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model.")
     parser.add_argument("--device", help="Torch device to run on. Default: cuda when available, else cpu.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1.")
-    parser.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    parser.add_argument("--port", type=port_number, default=8000, help="Port to listen on. Default: 8000.")
     parser.add_argument("--demo", action="store_true",
                         help="Answer one built-in request: print the request (stderr) and the answer (stdout), exit.")
     parser.add_argument("--request", type=Path, metavar="FILE", help="Answer the JSON request in FILE, print, exit.")
@@ -5185,6 +5193,18 @@ def main(argv: list[str] | None = None) -> int:
     # synthetic checkpoint's temporary folder), where Python's own would leave 143 or a KeyboardInterrupt traceback.
     for stop_signal in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop_signal, lambda signal_number, frame: sys.exit(0))
+    # An address that cannot be listened on (a port taken, a privileged port, a host not of this machine) is said in
+    # one line now; uvicorn would say it after starting the model's load, and exit 3. The probe binds as uvicorn does,
+    # with SO_REUSEADDR, so a port left in TIME_WAIT by a server just stopped is not refused.
+    try:
+        family, _, _, _, address = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as error:  # socket.gaierror included
+        console(f"serve_clef: cannot listen on {args.host}:{args.port} ({error.strerror or error}): pass another "
+                "--port or --host, or stop the program that holds it")
+        return 2
     uvicorn.run(create_app(args), host=args.host, port=args.port, http=JsonErrorsH11Protocol,
                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0

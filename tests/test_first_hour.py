@@ -9,6 +9,7 @@ import base64
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -34,15 +35,19 @@ def imported_modules(importtime_log: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("flags, status", [(["--help"], 0), (["--no-such-flag"], 2)])
-def test_the_command_line_answers_before_torch_is_imported(flags, status):
+@pytest.mark.parametrize("flags, status, refusal", [
+    (["--help"], 0, None),
+    (["--no-such-flag"], 2, "serve_clef.py: error: unrecognized arguments: --no-such-flag"),
+    (["--port", "70000"], 2, "serve_clef.py: error: argument --port: 70000 is not a TCP port (1 to 65535)"),
+])
+def test_the_command_line_answers_before_torch_is_imported(flags, status, refusal):
     completed = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "serve_clef.py"), *flags],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == status
     if status == 0:
         assert completed.stdout.startswith("usage: serve_clef.py") and "--expert-kernels" in completed.stdout
     else:
-        assert "serve_clef.py: error: unrecognized arguments: --no-such-flag" in completed.stderr
+        assert refusal in completed.stderr
     imported = imported_modules(completed.stderr)
     assert "argparse" in imported  # the log is the one that lists what ran
     assert not imported & set(HEAVY_MODULES), imported & set(HEAVY_MODULES)
@@ -77,6 +82,23 @@ def test_the_default_device_is_cuda_where_torch_has_one(monkeypatch):
 
 
 # ---- parity verdict -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["a port in use", "a host of no machine"])
+def test_an_address_that_cannot_be_listened_on_is_refused_in_one_line_before_loading(where):
+    """A second server on a taken port, or a mistyped --host, gets one line saying what to change, exit status 2,
+    and nothing is loaded (uvicorn alone said it after the model's load had begun, with exit status 3)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        host, port = ("127.0.0.1", taken.getsockname()[1]) if where == "a port in use" else ("no-such-host.invalid",
+                                                                                         8000)
+        completed = subprocess.run(
+            [sys.executable, serve_clef.__file__, "--model", "synthetic", "--device", "cpu", "--host", host,
+             "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines()[-1].startswith(f"serve_clef: cannot listen on {host}:{port} (")
+    assert "synthetic checkpoint" not in completed.stderr and "Traceback" not in completed.stderr
+
 
 def documented_gates() -> tuple[float, float]:
     """(minimum top-1 agreement, maximum mean TV) as docs/nvfp4-format.md §6 states them."""
