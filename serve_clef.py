@@ -3882,6 +3882,9 @@ def _asset_item(placeholder: str, asset: Any) -> MediaItem:
     return media._replace(base64_text=asset["data_base64"])
 
 
+FLOAT_MAX_DIGITS = len(str(int(sys.float_info.max)))  # 309: an integer of more digits overflows a 64-bit float
+
+
 def parse_request_json(text: str | bytes) -> Any:
     """A request's JSON text parsed as Python's json parses it, except that an integer beyond a 64-bit float's range
     (more than 1.8e308 in magnitude) becomes ±infinity, as it does in clients that read JSON numbers as floats, and is
@@ -3889,7 +3892,7 @@ def parse_request_json(text: str | bytes) -> Any:
     4,300 digits and fail the whole body on a longer one, with a message about its own digit limit."""
 
     def integer(digits: str) -> int | float:
-        if len(digits.lstrip("-")) <= len(str(int(sys.float_info.max))):
+        if len(digits.lstrip("-")) <= FLOAT_MAX_DIGITS:
             value = int(digits)
             if abs(value) <= sys.float_info.max:
                 return value
