@@ -81,8 +81,6 @@ def test_the_default_device_is_cuda_where_torch_has_one(monkeypatch):
     assert chosen.value.args == (torch.device("cuda"),)
 
 
-# ---- parity verdict -------------------------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("where", ["a port in use", "a host of no machine"])
 def test_an_address_that_cannot_be_listened_on_is_refused_in_one_line_before_loading(where):
     """A second server on a taken port, or a mistyped --host, gets one line saying what to change, exit status 2,
@@ -99,6 +97,8 @@ def test_an_address_that_cannot_be_listened_on_is_refused_in_one_line_before_loa
     assert completed.stderr.strip().splitlines()[-1].startswith(f"serve_clef: cannot listen on {host}:{port} (")
     assert "synthetic checkpoint" not in completed.stderr and "Traceback" not in completed.stderr
 
+
+# ---- parity verdict -------------------------------------------------------------------------------------------------
 
 def documented_gates() -> tuple[float, float]:
     """(minimum top-1 agreement, maximum mean TV) as docs/nvfp4-format.md §6 states them."""
