@@ -878,7 +878,7 @@ TOP_K_SUM_TOKENS = 8  # tokens per program
 TOP_K_SUM_COLUMNS = 256  # hidden columns per program
 
 
-@triton.jit(do_not_specialize=["num_tokens", "hidden"])
+@triton.jit(do_not_specialize=["num_tokens"])  # hidden is the model's, specialised on: rows 16-byte aligned
 def sum_top_k_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: the down kernel's output, pair token * K + k
     real_tokens_ptr,  # int32 [1]: the tokens before the padding (read when PADDED)
