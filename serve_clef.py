@@ -741,7 +741,7 @@ def route_top_k_outputs(router_logits: torch.Tensor, top_k: int, normalize: bool
 # Every program sums the counts of all blocks, so more blocks cost more than they spread: on an H200 chunks of 64
 # pairs routed 512 tokens in 15.7 us against 28.9 us with chunks of 32, and 8,192 tokens in 56 us against 68 us.
 # In the engine's packed decoder a forward runs a whole bucket, the real tokens first and padding after them. Its
-# pairs are routed nowhere (the counting launch writes zeros for their outputs), so the padding costs the experts
+# pairs are routed nowhere (and the top-k sum writes zeros for its tokens), so the padding costs the experts
 # nothing: a padding token's hidden state is the zeros it starts from, or, in a one-record batch, whatever causal
 # attention over the record makes of it, and either way it would take tiles (a 517-token record in the 576-token
 # bucket: 17% more slot rows, 2,050 tokens in the 2,176 bucket: 18% more tiles, in simulations of random routings).
@@ -749,22 +749,19 @@ ROUTING_MOST_BLOCKS = 128  # blocks of pairs: about one counting program per SM 
 ROUTING_CHUNK = 64  # pairs compared at once
 ROUTING_TILES = 16  # tiles per tile-filling program
 ROUTING_COUNT_ROWS = 32  # rows of block_counts read at once
-ROUTING_ZERO_STEP = 256  # hidden columns zeroed at once in the outputs of padding pairs
 
 
-@triton.jit(do_not_specialize=["num_pairs", "block_pairs", "hidden"])
+@triton.jit(do_not_specialize=["num_pairs", "block_pairs"])
 def count_pairs_per_expert_kernel(
     expert_of_pair_ptr,  # int [S]: top_k_index flattened, pair token * K + k
     real_tokens_ptr,  # int32 [1]: the tokens before the padding (read when PADDED)
     routed_expert_ptr,  # int32 [S]: out, each pair's expert, -1 for a padding token's pair (routed nowhere)
-    pair_outputs_ptr,  # [S, H]: out, zeros in the rows of the padding pairs (the down kernel writes the others)
     block_counts_ptr,  # int32 [B, EXPERTS]: out, how many pairs of each block go to each expert
-    num_pairs, block_pairs, hidden,  # block_pairs: pairs per block, a multiple of CHUNK
+    num_pairs, block_pairs,  # block_pairs: pairs per block, a multiple of CHUNK
     EXPERTS: tl.constexpr,  # the number of experts rounded up to a power of two
     CHUNK: tl.constexpr,
     TOP_K: tl.constexpr,
     PADDED: tl.constexpr,  # whether real_tokens_ptr is given
-    STEP: tl.constexpr,  # hidden columns zeroed at once
 ):
     block = tl.program_id(0)
     experts = tl.arange(0, EXPERTS)
@@ -777,13 +774,6 @@ def count_pairs_per_expert_kernel(
         # -1 matches no expert: past the last pair, and for the padding's pairs
         pair_experts = tl.load(expert_of_pair_ptr + pairs, mask=pairs < real_pairs, other=-1).to(tl.int32)
         tl.store(routed_expert_ptr + pairs, pair_experts, mask=pairs < num_pairs)
-        padding = (pairs >= real_pairs) & (pairs < num_pairs)
-        if tl.max(padding.to(tl.int32), axis=0) > 0:
-            columns = tl.arange(0, STEP)
-            for h0 in range(0, hidden, STEP):
-                tl.store(pair_outputs_ptr + pairs.to(tl.int64)[:, None] * hidden + h0 + columns[None, :],
-                         tl.zeros((CHUNK, STEP), dtype=pair_outputs_ptr.dtype.element_ty),
-                         mask=padding[:, None] & (h0 + columns < hidden)[None, :])
         one_hot_sums += (pair_experts[:, None] == experts[None, :]).to(tl.int32)  # [C, E]
     tl.store(block_counts_ptr + block * EXPERTS + experts, tl.sum(one_hot_sums, axis=0))
 
@@ -843,23 +833,22 @@ def place_pairs_in_row_tiles_kernel(
                  mask=in_grid[:, None] & (rows[None, :] >= filled[:, None]))
 
 
-def route_to_row_tiles(top_k_index: torch.Tensor, pair_outputs: torch.Tensor, num_experts: int, block_rows: int,
+def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
                        real_tokens: torch.Tensor | None = None):
     """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
 
-    top_k_index [T, K], pair_outputs [S, H] (the down kernel's output) -> slot_pairs int32 [P] (the pair token * K + k
-    in each slot, -1 in padding) and tile_experts int32 [P / block_rows] (the expert of each tile; num_experts for the
-    tiles past the last, which do nothing). P is the most any routing can need, so the launch grid depends on T
-    alone. Each expert's pairs keep their order, as a stable sort by expert would leave them. real_tokens (int32 [1]
-    on the device, or None: every token is real): the tokens past it are the engine's padding, whose pairs take no
-    slot and whose rows of pair_outputs are written with zeros.
+    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
+    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
+    the most any routing can need, so the launch grid depends on T alone. Each expert's pairs keep their order, as a
+    stable sort by expert would leave them. real_tokens (int32 [1] on the device, or None: every token is real): the
+    tokens past it are the engine's padding, whose pairs take no slot (so the down kernel writes no output for them).
 
     A counting sort in two launches (the comment above ROUTING_MOST_BLOCKS): per-block counts of each expert's
     pairs, then from their sums each expert's first tile and each pair's rank among its expert's pairs, which give
     its slot.
     """
     expert_of_pair = top_k_index.reshape(-1)  # [S]
-    num_pairs, hidden = expert_of_pair.numel(), pair_outputs.shape[1]
+    num_pairs = expert_of_pair.numel()
     max_tiles = -(-num_pairs // block_rows) + min(num_experts, num_pairs)
     padded_experts = triton.next_power_of_2(num_experts)
     # the fewest chunks per block that keep to ROUTING_MOST_BLOCKS blocks; a runtime argument, so no recompile per T
@@ -871,15 +860,59 @@ def route_to_row_tiles(top_k_index: torch.Tensor, pair_outputs: torch.Tensor, nu
     tile_experts = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
     common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=8)
     count_pairs_per_expert_kernel[(num_blocks,)](
-        expert_of_pair, expert_of_pair if real_tokens is None else real_tokens, routed_expert, pair_outputs,
-        block_counts, num_pairs, block_pairs, hidden, TOP_K=top_k_index.shape[1], PADDED=real_tokens is not None,
-        STEP=min(ROUTING_ZERO_STEP, triton.next_power_of_2(hidden)), **common,
+        expert_of_pair, expert_of_pair if real_tokens is None else real_tokens, routed_expert, block_counts,
+        num_pairs, block_pairs, TOP_K=top_k_index.shape[1], PADDED=real_tokens is not None, **common,
     )
     place_pairs_in_row_tiles_kernel[(num_blocks + triton.cdiv(max_tiles, ROUTING_TILES),)](
         routed_expert, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, num_blocks, num_experts,
         max_tiles, BLOCK_R=block_rows, COUNT_ROWS=ROUTING_COUNT_ROWS, TILES=ROUTING_TILES, **common,
     )
     return slot_pairs, tile_experts
+
+
+# The top-k sum: each token's K pair outputs added in fp32 in pair order, rounded once to BF16 (as torch sums BF16).
+# One kernel of our own rather than torch's sum over the middle dimension of [T, K, H], which read the pair outputs
+# at about 1.5 TB/s at 516 tokens on an H200 (0.53 ms of the decision's GPU work), and because it knows the
+# padding: its tokens' outputs are zeros, read from nowhere, so the down kernel never has to write their pairs.
+TOP_K_SUM_TOKENS = 8  # tokens per program
+TOP_K_SUM_COLUMNS = 256  # hidden columns per program
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # hidden is the model's, specialised on: rows 16-byte aligned
+def sum_top_k_kernel(
+    pair_outputs_ptr,  # BF16 [S, H]: the down kernel's output, pair token * K + k
+    real_tokens_ptr,  # int32 [1]: the tokens before the padding (read when PADDED)
+    token_outputs_ptr,  # BF16 [T, H]: out
+    num_tokens, hidden,
+    TOP_K: tl.constexpr, PADDED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    columns = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    in_range = (tokens < num_tokens)[:, None] & (columns < hidden)[None, :]
+    real = in_range
+    if PADDED:
+        real = real & (tokens < tl.load(real_tokens_ptr))[:, None]
+    total = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pair_rows = tokens.to(tl.int64) * TOP_K + k
+        total += tl.load(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :], mask=real,
+                         other=0.0).to(tl.float32)
+    tl.store(token_outputs_ptr + tokens.to(tl.int64)[:, None] * hidden + columns[None, :],
+             _round_to_bf16(total), mask=in_range)
+
+
+def sum_top_k(pair_outputs: torch.Tensor, top_k: int, real_tokens: torch.Tensor | None) -> torch.Tensor:
+    """pair_outputs [S, H] -> each token's sum of its K pair outputs [T, H]; zeros for the tokens from real_tokens on
+    (int32 [1] on the device, or None: every token is real), whose pair outputs are never read."""
+    num_pairs, hidden = pair_outputs.shape
+    num_tokens = num_pairs // top_k
+    token_outputs = pair_outputs.new_empty(num_tokens, hidden)  # [T, H]
+    sum_top_k_kernel[(triton.cdiv(num_tokens, TOP_K_SUM_TOKENS), triton.cdiv(hidden, TOP_K_SUM_COLUMNS))](
+        pair_outputs, pair_outputs if real_tokens is None else real_tokens, token_outputs, num_tokens, hidden,
+        TOP_K=top_k, PADDED=real_tokens is not None, BLOCK_T=TOP_K_SUM_TOKENS,
+        BLOCK_H=min(TOP_K_SUM_COLUMNS, triton.next_power_of_2(hidden)), num_warps=4,
+    )
+    return token_outputs
 
 
 @dataclass(frozen=True)
@@ -1687,8 +1720,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, EXPERT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, pair_outputs, self.num_experts, tiles.rows,
-                                                      self.real_tokens)
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
         num_tiles = tile_experts.numel()
         common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
@@ -1709,7 +1741,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             pair_outputs, self.num_experts, self.hidden, self.width, ROUTED_ROWS=tiles.rows,
             BLOCK_R=down_rows, BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.reduced, self.width), **common,
         )
-        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
+        return sum_top_k(pair_outputs, top_k, self.real_tokens)
 
     def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The gluon kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum. Under W4A4
@@ -1717,8 +1749,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, pair_outputs, self.num_experts, tiles.rows,
-                                                      self.real_tokens)
+        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
         num_tiles = tile_experts.numel()
         common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, SMALLEST_ROWS=tiles.smallest_rows or tiles.rows)
         gate_up_groups, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
@@ -1738,7 +1769,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
             self.num_experts, self.hidden, self.width, WARP_GROUPS=down_groups, num_warps=4 * down_groups, **common,
         )
-        return pair_outputs.view(num_tokens, top_k, self.hidden).sum(dim=1).to(hidden_states.dtype)  # fp32 sum
+        return sum_top_k(pair_outputs, top_k, self.real_tokens)
 
     def forward_native(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """FP4 tensor cores, W4A4: the pairs sorted by expert, the gate_up input quantized with the calibrated input

@@ -11,6 +11,7 @@ Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per 
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from test_nvfp4 import random_packed_experts, reference_dequantize, reference_fake_quant, tiny_text_config
@@ -266,8 +267,7 @@ def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
 
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, torch.empty(10, 4), num_experts=8,
-                                                             block_rows=2)
+    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
     assert slot_pairs.dtype == tile_experts.dtype == torch.int32
     tiles = slot_pairs.view(-1, 2).tolist()
     expected_tiles = {0: [[3, 6]], 1: [[2, 7]], 3: [[0, 1], [4, 9]], 7: [[5, 8]]}  # pairs (token * 2 + k) in order
@@ -279,6 +279,34 @@ def test_routing_pads_each_expert_to_whole_tiles():
             assert tile == [-1, -1]  # tiles past the last do nothing
     assert got == expected_tiles
     assert sorted(p for p in slot_pairs.tolist() if p >= 0) == list(range(10))  # every pair exactly once
+
+
+def reference_top_k_sum(pair_outputs: torch.Tensor, top_k: int, real_tokens: int) -> torch.Tensor:
+    """The formula: each token's K pair outputs added one after another in fp32 (pair order), rounded once to BF16;
+    zeros for the tokens from real_tokens on."""
+    pairs = pair_outputs.float().numpy().reshape(-1, top_k, pair_outputs.shape[1])  # [T, K, H]
+    total = np.zeros((pairs.shape[0], pairs.shape[2]), dtype=np.float32)
+    for k in range(top_k):
+        total = (total + pairs[:, k]).astype(np.float32)
+    total[real_tokens:] = 0
+    return torch.from_numpy(total).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "real_tokens"),
+                         [(1, 1, 8, None), (19, 3, 300, None), (576, 8, 64, 517), (40, 8, 2048, 0), (13, 2, 5, 20)],
+                         ids=["one pair", "odd sizes", "a bucket's padding", "no real token", "real past the end"])
+def test_top_k_sum_equals_the_formula_bit_for_bit(num_tokens, top_k, hidden, real_tokens):
+    """sum_top_k against the formula, over wide-ranging values (so the order of the fp32 adds shows in BF16). The
+    padding's pair outputs are NaN, as the down kernel leaves them unwritten: they must never be read."""
+    generator = torch.Generator().manual_seed(num_tokens * hidden)
+    pair_outputs = (torch.randn(num_tokens * top_k, hidden, generator=generator)
+                    * 10.0 ** torch.randint(-3, 4, (num_tokens * top_k, 1), generator=generator)).to(torch.bfloat16)
+    real = num_tokens if real_tokens is None else min(real_tokens, num_tokens)
+    pair_outputs[real * top_k:] = torch.nan
+    summed = serve_clef.sum_top_k(pair_outputs, top_k,
+                                  None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32))
+    assert summed.shape == (num_tokens, hidden) and summed.dtype == torch.bfloat16
+    assert torch.equal(summed.view(torch.int16), reference_top_k_sum(pair_outputs, top_k, real).view(torch.int16))
 
 
 def tiny_packed_experts(power_of_two_global_scales: bool, seed: int = 0) -> serve_clef.PackedNVFP4Experts:
@@ -332,8 +360,8 @@ def test_every_served_tile_shape_gives_the_unpack_paths_bits(tiles, monkeypatch)
     ones, each routed tile is split between several of them."""
     monkeypatch.setattr(serve_clef, "EXPERT_TILES", ((None, tiles),))
     routed_rows, route = [], serve_clef.route_to_row_tiles
-    monkeypatch.setattr(serve_clef, "route_to_row_tiles", lambda index, pair_outputs, num_experts, rows, real_tokens:
-                        routed_rows.append(rows) or route(index, pair_outputs, num_experts, rows, real_tokens))
+    monkeypatch.setattr(serve_clef, "route_to_row_tiles", lambda index, num_experts, rows, real_tokens:
+                        routed_rows.append(rows) or route(index, num_experts, rows, real_tokens))
     experts = tiny_packed_experts(power_of_two_global_scales=True)
     hidden_states, top_k_index, top_k_weights = routed(150, seed=7)
     top_k_index[:, 0] = 4  # expert 4: at least 150 pairs
@@ -445,9 +473,9 @@ def test_the_engine_s_padding_skips_the_kernels(monkeypatch):
     loaded = load_tiny(["--expert-kernels", "triton"])
     routings, route = [], serve_clef.route_to_row_tiles
 
-    def recorded_route(top_k_index, pair_outputs, num_experts, block_rows, real_tokens):
+    def recorded_route(top_k_index, num_experts, block_rows, real_tokens):
         routings.append((top_k_index.shape[0], None if real_tokens is None else int(real_tokens)))
-        return route(top_k_index, pair_outputs, num_experts, block_rows, real_tokens)
+        return route(top_k_index, num_experts, block_rows, real_tokens)
 
     monkeypatch.setattr(serve_clef, "route_to_row_tiles", recorded_route)
     request = {"model": "clef-omni", "state": "The parcel came late.", "questions": {"late": {"type": "noul"}}}
