@@ -87,6 +87,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # NaN fails the first test
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -144,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-length",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_LENGTH,
         help=f"Context limit in tokens per decision. Default: {DEFAULT_MAX_LENGTH}.",
     )
@@ -163,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_seconds,
         default=DEFAULT_REQUEST_TIMEOUT_S,
         help="Seconds a request may wait to be scored before it gets 503 with Retry-After. "
         f"Default: {DEFAULT_REQUEST_TIMEOUT_S:g}.",

@@ -39,6 +39,11 @@ def imported_modules(importtime_log: str) -> set[str]:
     (["--help"], 0, None),
     (["--no-such-flag"], 2, "serve_clef.py: error: unrecognized arguments: --no-such-flag"),
     (["--port", "70000"], 2, "serve_clef.py: error: argument --port: 70000 is not a TCP port (1 to 65535)"),
+    (["--max-length", "0"], 2, "serve_clef.py: error: argument --max-length: 0 is not a positive number"),
+    (["--request-timeout", "-1"], 2,
+     "serve_clef.py: error: argument --request-timeout: -1 is not a positive number of seconds"),
+    (["--request-timeout", "nan"], 2,
+     "serve_clef.py: error: argument --request-timeout: nan is not a positive number of seconds"),
 ])
 def test_the_command_line_answers_before_torch_is_imported(flags, status, refusal):
     completed = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "serve_clef.py"), *flags],
