@@ -881,6 +881,7 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
 # One kernel of our own rather than torch's sum over the middle dimension of [T, K, H], which read the pair outputs
 # at about 1.5 TB/s at 516 tokens on an H200 (0.53 ms of the decision's GPU work), and because it knows the
 # padding: its tokens' outputs are zeros, read from nowhere, so the down kernel never has to write their pairs.
+# On an H100 it took 0.40 ms of a 517-token forward and 4.97 ms of a 16-record one (about 2.5 TB/s of pair rows read).
 TOP_K_SUM_TOKENS = 8  # tokens per program
 TOP_K_SUM_COLUMNS = 256  # hidden columns per program
 
