@@ -103,7 +103,6 @@ def test_an_address_that_cannot_be_listened_on_is_refused_in_one_line_before_loa
     assert "synthetic checkpoint" not in completed.stderr and "Traceback" not in completed.stderr
 
 
-
 def test_the_server_hands_pythons_lock_between_its_threads_every_millisecond(monkeypatch):
     """The scorer's many short torch calls each wait up to the switch interval for Python's lock while the HTTP and
     preparing threads run: the server shortens it from Python's 5 ms to 1 ms before it starts serving."""
@@ -120,6 +119,7 @@ def test_the_server_hands_pythons_lock_between_its_threads_every_millisecond(mon
     finally:
         sys.setswitchinterval(before)
     assert seen["interval"] == pytest.approx(0.001)
+
 
 # ---- parity verdict -------------------------------------------------------------------------------------------------
 

@@ -35,9 +35,8 @@ def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows:
 
 def assert_routes_like_the_reference(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
                                      real_tokens: int | None = None):
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(
-        top_k_index, num_experts, block_rows, None if real_tokens is None else torch.tensor([real_tokens],
-                                                                                            dtype=torch.int32))
+    real_tokens_on_device = None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32)
+    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts, block_rows, real_tokens_on_device)
     expected_slot_pairs, expected_tile_experts = reference_row_tiles(top_k_index, num_experts, block_rows,
                                                                      real_tokens)
     assert slot_pairs.dtype == tile_experts.dtype == torch.int32
