@@ -2855,7 +2855,19 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # H200).
 DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256),
                    *range(4608, 8192 + 1, 512))  # tokens
-MAX_RECORDS_PER_FORWARD = 32  # the graphs' fixed number of record boundaries (flash attention's batch)
+MAX_RECORDS_PER_FORWARD = 32  # records in one forward (the graphs' attention chunks are counted for them)
+# The text decoder's attention over a batch of several records runs as chunks of at most QUERY_CHUNK queries of one
+# record, each with its record's keys up to its own last query: flash attention's varlen kernel takes chunk c's
+# queries from cum_seq_q[c], its keys from cum_seq_k[c] (the record's first token) and `seqused_k[c]` of them, and
+# with fewer queries than keys aligns the causal mask to the last key. Given the records whole, it launches
+# (longest record / 128) x records x heads programs, and the graphs must say "longest" before they know the batch
+# (the bucket: a 16-record forward in the 8,192-token bucket launched 67,584 programs for 2,048 blocks of queries);
+# given chunks, about one program per 128 queries and head. The products and their order are the same (128 is
+# the kernel's own block of queries), so the output is bit-identical, and a layer's attention took 247 instead of
+# 271 us for 16 records of ~500 tokens on an H100 (docs/benchmarks.md).
+QUERY_CHUNK = 128
+# chunks of the largest bucket: each record, and the padding after them, may end one chunk early
+MAX_QUERY_CHUNKS = DECODER_BUCKETS[-1] // QUERY_CHUNK + MAX_RECORDS_PER_FORWARD + 1
 # The attention implementation of the text decoder and of the vision and audio towers, registered below. transformers
 # hands an implementation whose name contains "flash" the boundaries of the sequences packed in a tower's input (each
 # image, frame or audio window), so a tower layer's attention is one call; under any other name each sequence is a
@@ -2863,43 +2875,77 @@ MAX_RECORDS_PER_FORWARD = 32  # the graphs' fixed number of record boundaries (f
 PACKED_ATTENTION = "serve_clef_flash_varlen"
 
 
+def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
+    """Boundaries of the records packed in a sequence ([0, ..., T], record i the tokens [b[i], b[i+1])) -> the text
+    decoder's attention chunks (QUERY_CHUNK's comment), int32 [3, chunks + 1]: the chunks' query boundaries (chunk c:
+    queries [q[c], q[c+1])), each chunk's first key (its record's first token) and its number of keys (up to its last
+    query). The chunks past the records' are empty, at T."""
+    starts, first_keys = [], []
+    for record_start, record_end in zip(boundaries, boundaries[1:]):
+        for start in range(record_start, record_end, QUERY_CHUNK):
+            starts.append(start)
+            first_keys.append(record_start)
+    if len(starts) > chunks:
+        raise ValueError(f"{len(starts)} attention chunks in a packed sequence sized for {chunks}")
+    total = boundaries[-1]
+    table = np.full((3, chunks + 1), total, dtype=np.int32)  # [3, C + 1]
+    table[0, :len(starts)] = starts
+    table[1, :len(starts)] = first_keys
+    table[2] = 0
+    table[2, :len(starts)] = np.append(starts[1:], total) - np.array(first_keys, dtype=np.int64)
+    return table
+
+
 def packed_records_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *,
-    cu_seq_lens_q: torch.Tensor, max_length_q: int, is_causal: bool = True, one_record: bool = False, **kwargs: Any,
+    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *, is_causal: bool = True,
+    query_chunks: torch.Tensor | None = None, one_record: bool = False,
+    cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention within each record of a packed sequence, causal (the text decoder) or not (the towers, which pass
-    is_causal=False), transformers' attention-function signature.
+    """Attention within each record of a packed sequence, transformers' attention-function signature. The text
+    decoder passes its chunks (query_chunks, int32 [3, C + 1], as the function `query_chunks` makes them; causal);
+    the towers pass their sequences' boundaries (cu_seq_lens_q [B + 1], repeats being empty sequences, and
+    max_length_q, the longest or more) and is_causal=False.
 
-    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv), cu_seq_lens_q
-    [B + 1] the records' boundaries in T (repeated boundaries are empty records), max_length_q the longest record or
-    more -> [1, T, Hq, D]. On CUDA: flash attention's varlen kernel, which takes the grouped heads as they are and
-    builds no plan per length (aten's op, as torch.nn.attention.varlen calls it: that wrapper's signature differs
-    across torch 2.10-2.12 and 2.9 lacks it). Elsewhere: the same attention spelled out as SDPA with a block-diagonal
-    mask (how CPU tests check the packing).
+    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv) -> [1, T, Hq, D]. On CUDA:
+    flash attention's varlen kernel, which takes the grouped heads as they are and builds no plan per length (aten's
+    op, as torch.nn.attention.varlen calls it: that wrapper's signature differs across torch 2.10-2.12 and 2.9 lacks
+    it). Elsewhere: the same attention spelled out as SDPA with a mask (how CPU tests check the packing).
 
     one_record (the text decoder's graphs of a one-record batch, PackedTextDecoder): the sequence is one record
     followed by padding, so plain causal attention keeps the record to itself, and cuDNN's fused attention runs it in
     about half flash varlen's time on an H200 (22 against 45 us at 576 tokens, 94 against 201 us at 2,176; it takes
     the grouped heads as they are). cuDNN builds a plan per length (~150 ms), which the graphs build once, at load.
     """
-    if query.is_cuda and one_record and is_causal:
+    if query.is_cuda and one_record:
         attention = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, False, 0.0, True, False, scale=scaling)[0]  # [1, Hq, T, D]
         return attention.transpose(1, 2), None
+    total = query.shape[2]
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-        boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
-        attention = torch.ops.aten._flash_attention_forward(
-            packed_query, packed_key, packed_value, boundaries, boundaries, max_length_q, max_length_q, 0.0,
-            is_causal, False, scale=scaling,
-        )[0]  # [T, Hq, D]
+        if query_chunks is not None:
+            attention = torch.ops.aten._flash_attention_forward(
+                packed_query, packed_key, packed_value, query_chunks[0], query_chunks[1], QUERY_CHUNK, total, 0.0,
+                True, False, scale=scaling, seqused_k=query_chunks[2, :-1],
+            )[0]  # [T, Hq, D]
+        else:
+            boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
+            attention = torch.ops.aten._flash_attention_forward(
+                packed_query, packed_key, packed_value, boundaries, boundaries, max_length_q, max_length_q, 0.0,
+                is_causal, False, scale=scaling,
+            )[0]  # [T, Hq, D]
         return attention[None], None
-    positions = torch.arange(query.shape[2], device=query.device)  # [T]
-    record_of_token = torch.searchsorted(cu_seq_lens_q[1:].long(), positions, right=True)  # [T]
-    allowed = record_of_token[:, None] == record_of_token[None, :]  # [T, T]
-    if is_causal:
-        allowed &= positions[:, None] >= positions
+    positions = torch.arange(total, device=query.device)  # [T]
+    if query_chunks is not None:  # each query sees its chunk's keys up to itself
+        chunk_of_token = torch.searchsorted(query_chunks[0, 1:].long(), positions, right=True)  # [T]
+        first_key = query_chunks[1].long()[chunk_of_token]  # [T]
+        allowed = (positions[None, :] >= first_key[:, None]) & (positions[None, :] <= positions[:, None])  # [T, T]
+    else:
+        record_of_token = torch.searchsorted(cu_seq_lens_q[1:].long(), positions, right=True)  # [T]
+        allowed = record_of_token[:, None] == record_of_token[None, :]  # [T, T]
+        if is_causal:
+            allowed &= positions[:, None] >= positions
     attention = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=True
     )  # [1, Hq, T, D]
@@ -2977,8 +3023,9 @@ class PackedTextDecoder(torch.nn.Module):
         # (bucket, one record) -> its CUDAGraph, reading and writing views of the static buffers; the graphs of
         # one-record batches take cuDNN's attention (packed_records_attention)
         self.graphs = {}
-        # inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens and then the real tokens' count [R + 3],
-        # deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every bucket (as views of
+        # inputs_embeds [1, L, H], position_ids [P, 1, L], the real tokens' count and then the attention's chunks
+        # [1 + 3 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
+        # bucket (as views of
         # their first L tokens): the graphs never run at the same time, and 40 buckets' own copies would hold ~1 GiB
         # at full size
         self.static_buffers = None
@@ -3020,26 +3067,24 @@ class PackedTextDecoder(torch.nn.Module):
         packed_visual = None if visual_features is None else visual_pos_masks.flatten()[real_rows]  # [T]
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
-        # boundaries: the records, then the padding as one more record, then empty records up to the graphs' count
-        boundaries = [0, *itertools.accumulate(record_lengths)]
-        boundaries += [bucket or total] * (MAX_RECORDS_PER_FORWARD + 2 - len(boundaries))
+        # boundaries: the records, then the padding (up to the bucket) as one more
+        boundaries = [0, *itertools.accumulate(record_lengths), *([bucket] if bucket and bucket > total else [])]
         if bucket is None:  # longer than the largest graph: eagerly, unpadded
-            cu_seq_lens = torch.tensor(boundaries, dtype=torch.int32, device=inputs_embeds.device)  # [R + 2]
+            chunks = host_to_device(torch.from_numpy(query_chunks(
+                boundaries, total // QUERY_CHUNK + batch)), inputs_embeds.device)  # [3, C + 1]
             deepstack = None
             if visual_features is not None:
                 deepstack = inputs_embeds.new_zeros(self.deepstack_layers, 1, total, hidden)  # [D, 1, T, H]
                 deepstack[:, 0, packed_visual] = visual_features
-            packed_hidden = self.run_padded(packed_embeds[None], packed_positions[:, None], cu_seq_lens, deepstack)[0]
+            packed_hidden = self.run_padded(packed_embeds[None], packed_positions[:, None], chunks, deepstack)[0]
         else:
-            static_embeds, static_positions, static_cu_seq_lens, static_deepstack, static_real_tokens, static_hidden = (
+            static_embeds, static_positions, static_chunks, static_deepstack, static_real_tokens, static_hidden = (
                 self.static_views(bucket, inputs_embeds))
             static_embeds[0, :total].copy_(packed_embeds)
             static_embeds[0, total:].zero_()
             static_positions[:, 0, :total].copy_(packed_positions)
             static_positions[:, 0, total:].zero_()
-            _, _, static_counts, _, _ = self.static_buffers  # cu_seq_lens and the real tokens, written in one copy
-            counts = torch.tensor([*boundaries, total], dtype=torch.int32)  # [R + 3]
-            static_counts.copy_(host_to_device(counts, static_embeds.device))
+            self.write_counts(total, boundaries)
             if self.deepstack_tokens:  # an earlier batch's features, perhaps past this bucket: back to zeros
                 _, _, _, all_deepstack, _ = self.static_buffers  # [D, 1, Lmax, H], not just this bucket's view
                 all_deepstack[:, :, :self.deepstack_tokens].zero_()
@@ -3052,7 +3097,7 @@ class PackedTextDecoder(torch.nn.Module):
             if graph is not None:
                 graph.replay()
             else:
-                static_hidden = self.run_padded(static_embeds, static_positions, static_cu_seq_lens, static_deepstack,
+                static_hidden = self.run_padded(static_embeds, static_positions, static_chunks, static_deepstack,
                                                 static_real_tokens)
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
@@ -3060,36 +3105,43 @@ class PackedTextDecoder(torch.nn.Module):
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], cu_seq_lens
-        [R + 2], the deepstack features [D, 1, L, H], the real tokens' count [1], and the hidden states [1, L, H] a
-        graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
+        """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], the attention's
+        chunks [3, C + 1], the deepstack features [D, 1, L, H], the real tokens' count [1], and the hidden states
+        [1, L, H] a graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
         if self.static_buffers is None:
             longest, hidden, dtype, device = self.buckets[-1], like.shape[-1], like.dtype, like.device
             self.static_buffers = (
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
                 torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=device),  # [P, 1, Lmax]
-                torch.zeros(MAX_RECORDS_PER_FORWARD + 3, dtype=torch.int32, device=device),  # [R + 3]
+                torch.zeros(1 + 3 * (MAX_QUERY_CHUNKS + 1), dtype=torch.int32, device=device),  # [1 + 3 (C + 1)]
                 torch.zeros(self.deepstack_layers, 1, longest, hidden, dtype=dtype, device=device),  # [D, 1, Lmax, H]
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
             )
         inputs_embeds, position_ids, counts, deepstack, hidden = self.static_buffers
-        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], counts[:-1], deepstack[:, :, :bucket],
-                counts[-1:], hidden[:, :bucket])
+        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], counts[1:].view(3, -1), deepstack[:, :, :bucket],
+                counts[:1], hidden[:, :bucket])
 
-    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens: torch.Tensor,
+    def write_counts(self, real_tokens: int, boundaries: list[int]) -> None:
+        """The static real tokens' count and attention chunks of the records packed with these boundaries, in one
+        copy from the host."""
+        counts = np.concatenate([[real_tokens], query_chunks(boundaries, MAX_QUERY_CHUNKS).ravel()])  # [1 + 3 (C + 1)]
+        self.static_buffers[2].copy_(host_to_device(torch.from_numpy(counts.astype(np.int32)),
+                                                    self.static_buffers[2].device))
+
+    def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, chunks: torch.Tensor,
                    deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
                    one_record: bool = False) -> torch.Tensor:
-        """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add); the
-        longest record is taken to be L (flash attention needs only an upper bound), so nothing depends on the batch
-        but the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the tokens past it are
+        """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add), its
+        attention in `chunks` (query_chunks, int32 [3, C + 1] on the device), so that nothing depends on the batch but
+        the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the tokens past it are
         padding, whose MoE pairs the packed experts skip. one_record: the inputs are one record and padding
         (packed_records_attention)."""
         for experts in self.packed_experts:
             experts.real_tokens = real_tokens
         try:
             return self.decoder(
-                inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seq_lens,
-                max_length_q=inputs_embeds.shape[1], one_record=one_record,
+                inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, query_chunks=chunks,
+                one_record=one_record,
                 deepstack_visual_embeds=None if deepstack is None else list(deepstack),
             ).last_hidden_state
         finally:
@@ -3128,8 +3180,7 @@ class PackedTextDecoder(torch.nn.Module):
         cudnn_attention = True  # until it fails to run here
         for bucket in sorted(self.buckets, reverse=True):
             *static_inputs, static_hidden = self.static_views(bucket, like)
-            # one record filling the bucket, every token real
-            self.static_buffers[2].copy_(torch.tensor([0] + [bucket] * (MAX_RECORDS_PER_FORWARD + 2)))
+            self.write_counts(bucket, [0, bucket])  # one record filling the bucket, every token real
             for one_record in (False, True) if cudnn_attention else (False,):
                 side_stream.wait_stream(torch.cuda.current_stream())
                 try:

@@ -7,10 +7,13 @@ inputs run eagerly, which is what packing and padding themselves change.
 """
 
 import base64
+import itertools
 import sys
 
+import numpy as np
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 import serve_clef
 import synthetic_release
@@ -87,24 +90,60 @@ def mixed_requests(png_bytes, wav_bytes, mp4_with_audio_bytes):
 
 
 def test_packed_attention_is_causal_attention_within_each_record():
-    """The CPU spelling of the packed attention against SDPA run on each record alone (grouped heads expanded)."""
+    """The CPU spelling of the text decoder's packed attention (from its chunks) against SDPA run on each record alone
+    (grouped heads expanded); one record is long enough to be cut in three chunks."""
     generator = torch.Generator().manual_seed(0)
-    lengths = [5, 1, 9]
+    lengths = [5, 1, 2 * serve_clef.QUERY_CHUNK + 9]
     query = torch.randn(1, 4, sum(lengths) + 3, 8, generator=generator)  # 3 padding tokens at the end
     key, value = torch.randn(2, 1, 2, sum(lengths) + 3, 8, generator=generator)
-    boundaries = torch.tensor([0, 5, 6, 15, 18, 18, 18], dtype=torch.int32)  # the padding, then two empty records
-    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, cu_seq_lens_q=boundaries,
-                                                    max_length_q=18)
+    boundaries = [0, *itertools.accumulate(lengths), sum(lengths) + 3]  # the padding as one more record
+    chunks = torch.from_numpy(serve_clef.query_chunks(boundaries, 8))
+    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, query_chunks=chunks)
     assert packed.shape == (1, sum(lengths) + 3, 4, 8)
-    start = 0
-    for length in lengths:
-        rows = slice(start, start + length)
+    for start, end in zip(boundaries, boundaries[1:]):
         alone = torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, rows], key[:, :, rows].repeat_interleave(2, 1), value[:, :, rows].repeat_interleave(2, 1),
-            is_causal=True, scale=0.3,
+            query[:, :, start:end], key[:, :, start:end].repeat_interleave(2, 1),
+            value[:, :, start:end].repeat_interleave(2, 1), is_causal=True, scale=0.3,
         )
-        torch.testing.assert_close(packed[0, rows], alone[0].transpose(0, 1))
-        start += length
+        torch.testing.assert_close(packed[0, start:end], alone[0].transpose(0, 1))
+
+
+def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causal_attention():
+    """The chunk table as flash attention's varlen kernel reads it on the GPU: chunk c's queries [q[c], q[c+1]), its
+    keys the seqused_k[c] from k[c] on, causal aligned to the last key (torch's causal_lower_right). Chunk by chunk,
+    that must be each record's own causal attention, with every query in exactly one chunk and no chunk across two
+    records or longer than QUERY_CHUNK."""
+    generator = torch.Generator().manual_seed(3)
+    chunk = serve_clef.QUERY_CHUNK
+    boundaries = [0, chunk, chunk, 3 * chunk + 1, 3 * chunk + 40, 4 * chunk + 64]  # an empty record, a full chunk
+    total = boundaries[-1]
+    table = serve_clef.query_chunks(boundaries, 12)
+    assert table.shape == (3, 13) and table.dtype == np.int32
+    query_starts, first_keys, key_counts = table[0], table[1, :-1], table[2, :-1]
+    assert query_starts[0] == 0 and (np.diff(query_starts) >= 0).all() and (query_starts[-1] == total)
+    query, key, value = torch.randn(3, 1, 2, total, 8, generator=generator)
+    expected = torch.empty(1, 2, total, 8)
+    for start, end in zip(boundaries, boundaries[1:]):
+        expected[:, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=0.25)
+    chunked = torch.full((1, 2, total, 8), float("nan"))
+    chunks_seen = 0
+    for c in range(12):
+        queries = slice(query_starts[c], query_starts[c + 1])
+        if queries.start == queries.stop:
+            assert key_counts[c] == 0
+            continue
+        chunks_seen += 1
+        record = max(i for i, b in enumerate(boundaries[:-1]) if b <= queries.start)
+        assert queries.stop <= boundaries[record + 1] and queries.stop - queries.start <= chunk
+        keys = slice(first_keys[c], first_keys[c] + key_counts[c])
+        chunked[:, :, queries] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, queries], key[:, :, keys], value[:, :, keys], scale=0.25,
+            attn_mask=causal_lower_right(queries.stop - queries.start, int(key_counts[c])))
+    assert chunks_seen == 1 + 3 + 1 + 2  # 128 tokens; 257 in three chunks; 39; 152 in two (the empty record: none)
+    torch.testing.assert_close(chunked, expected)
+    with pytest.raises(ValueError, match="chunks"):
+        serve_clef.query_chunks(boundaries, 5)
 
 
 def test_packed_attention_without_causality_is_attention_within_each_record():
@@ -416,10 +455,10 @@ def test_one_record_batches_replay_their_own_graphs_and_tell_the_attention(loade
     try:
         embeds = torch.zeros(1, 64, loaded.model.thinker.config.text_config.hidden_size, dtype=torch.bfloat16)
         positions = torch.arange(64).expand(decoder.position_rows, 1, 64)
-        boundaries = torch.tensor([0, 64] + [64] * serve_clef.MAX_RECORDS_PER_FORWARD, dtype=torch.int32)
+        chunks = torch.from_numpy(serve_clef.query_chunks([0, 64], 4))
         with torch.inference_mode():
-            decoder.run_padded(embeds, positions, boundaries, None, one_record=True)
-            decoder.run_padded(embeds, positions, boundaries, None)
+            decoder.run_padded(embeds, positions, chunks, None, one_record=True)
+            decoder.run_padded(embeds, positions, chunks, None)
     finally:
         serve_clef.transformers.AttentionInterface.register(serve_clef.PACKED_ATTENTION,
                                                             serve_clef.packed_records_attention)
