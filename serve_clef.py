@@ -2863,8 +2863,8 @@ MAX_RECORDS_PER_FORWARD = 32  # records in one forward (the graphs' attention ch
 # (longest record / 128) x records x heads programs, and the graphs must say "longest" before they know the batch
 # (the bucket: a 16-record forward in the 8,192-token bucket launched 67,584 programs for 2,048 blocks of queries);
 # given chunks, about one program per 128 queries and head. The products and their order are the same (128 is
-# the kernel's own block of queries), so the output is bit-identical, and a layer's attention took 247 instead of
-# 271 us for 16 records of ~500 tokens on an H100 (docs/benchmarks.md).
+# the kernel's own block of queries), so the output is bit-identical; on an H100 the attention of a 16-record forward
+# took 12.6 instead of 14.7 ms of its GPU work (docs/benchmarks.md).
 QUERY_CHUNK = 128
 # chunks of the largest bucket: each record, and the padding after them, may end one chunk early
 MAX_QUERY_CHUNKS = DECODER_BUCKETS[-1] // QUERY_CHUNK + MAX_RECORDS_PER_FORWARD + 1
@@ -2881,7 +2881,7 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
     queries [q[c], q[c+1])), each chunk's first key (its record's first token) and its number of keys (up to its last
     query). The chunks past the records' are empty, at T."""
     starts, first_keys = [], []
-    for record_start, record_end in zip(boundaries, boundaries[1:]):
+    for record_start, record_end in itertools.pairwise(boundaries):
         for start in range(record_start, record_end, QUERY_CHUNK):
             starts.append(start)
             first_keys.append(record_start)
@@ -3025,9 +3025,8 @@ class PackedTextDecoder(torch.nn.Module):
         self.graphs = {}
         # inputs_embeds [1, L, H], position_ids [P, 1, L], the real tokens' count and then the attention's chunks
         # [1 + 3 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
-        # bucket (as views of
-        # their first L tokens): the graphs never run at the same time, and 40 buckets' own copies would hold ~1 GiB
-        # at full size
+        # bucket (as views of their first L tokens): the graphs never run at the same time, and 40 buckets' own copies
+        # would hold ~1 GiB at full size
         self.static_buffers = None
         # the packed experts' routing skips the padding's pairs while run_padded runs (PackedNVFP4Experts.real_tokens)
         self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
@@ -3067,7 +3066,7 @@ class PackedTextDecoder(torch.nn.Module):
         packed_visual = None if visual_features is None else visual_pos_masks.flatten()[real_rows]  # [T]
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
-        # boundaries: the records, then the padding (up to the bucket) as one more
+        # boundaries: the records, then the padding up to the bucket as one more
         boundaries = [0, *itertools.accumulate(record_lengths), *([bucket] if bucket and bucket > total else [])]
         if bucket is None:  # longer than the largest graph: eagerly, unpadded
             chunks = host_to_device(torch.from_numpy(query_chunks(

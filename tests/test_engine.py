@@ -100,7 +100,7 @@ def test_packed_attention_is_causal_attention_within_each_record():
     chunks = torch.from_numpy(serve_clef.query_chunks(boundaries, 8))
     packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, query_chunks=chunks)
     assert packed.shape == (1, sum(lengths) + 3, 4, 8)
-    for start, end in zip(boundaries, boundaries[1:]):
+    for start, end in itertools.pairwise(boundaries):
         alone = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, start:end].repeat_interleave(2, 1),
             value[:, :, start:end].repeat_interleave(2, 1), is_causal=True, scale=0.3,
@@ -123,7 +123,7 @@ def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causa
     assert query_starts[0] == 0 and (np.diff(query_starts) >= 0).all() and (query_starts[-1] == total)
     query, key, value = torch.randn(3, 1, 2, total, 8, generator=generator)
     expected = torch.empty(1, 2, total, 8)
-    for start, end in zip(boundaries, boundaries[1:]):
+    for start, end in itertools.pairwise(boundaries):
         expected[:, :, start:end] = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=0.25)
     chunked = torch.full((1, 2, total, 8), float("nan"))
