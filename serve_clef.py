@@ -2899,11 +2899,11 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
 def packed_records_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *, is_causal: bool = True,
-    query_chunks: torch.Tensor | None = None, one_record: bool = False,
+    attention_chunks: torch.Tensor | None = None, one_record: bool = False,
     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention within each record of a packed sequence, transformers' attention-function signature. The text
-    decoder passes its chunks (query_chunks, int32 [3, C + 1], as the function `query_chunks` makes them; causal);
+    decoder passes its chunks (attention_chunks, int32 [3, C + 1], as `query_chunks` makes them; causal);
     the towers pass their sequences' boundaries (cu_seq_lens_q [B + 1], repeats being empty sequences, and
     max_length_q, the longest or more) and is_causal=False.
 
@@ -2924,10 +2924,11 @@ def packed_records_attention(
     total = query.shape[2]
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-        if query_chunks is not None:
+        if attention_chunks is not None:
+            query_starts, first_keys, key_counts = attention_chunks
             attention = torch.ops.aten._flash_attention_forward(
-                packed_query, packed_key, packed_value, query_chunks[0], query_chunks[1], QUERY_CHUNK, total, 0.0,
-                True, False, scale=scaling, seqused_k=query_chunks[2, :-1],
+                packed_query, packed_key, packed_value, query_starts, first_keys, QUERY_CHUNK, total, 0.0,
+                True, False, scale=scaling, seqused_k=key_counts[:-1],
             )[0]  # [T, Hq, D]
         else:
             boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
@@ -2937,9 +2938,9 @@ def packed_records_attention(
             )[0]  # [T, Hq, D]
         return attention[None], None
     positions = torch.arange(total, device=query.device)  # [T]
-    if query_chunks is not None:  # each query sees its chunk's keys up to itself
-        chunk_of_token = torch.searchsorted(query_chunks[0, 1:].long(), positions, right=True)  # [T]
-        first_key = query_chunks[1].long()[chunk_of_token]  # [T]
+    if attention_chunks is not None:  # each query sees its chunk's keys up to itself
+        chunk_of_token = torch.searchsorted(attention_chunks[0, 1:].long(), positions, right=True)  # [T]
+        first_key = attention_chunks[1].long()[chunk_of_token]  # [T]
         allowed = (positions[None, :] >= first_key[:, None]) & (positions[None, :] <= positions[:, None])  # [T, T]
     else:
         record_of_token = torch.searchsorted(cu_seq_lens_q[1:].long(), positions, right=True)  # [T]
@@ -3131,15 +3132,15 @@ class PackedTextDecoder(torch.nn.Module):
                    deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
                    one_record: bool = False) -> torch.Tensor:
         """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add), its
-        attention in `chunks` (query_chunks, int32 [3, C + 1] on the device), so that nothing depends on the batch but
-        the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the tokens past it are
-        padding, whose MoE pairs the packed experts skip. one_record: the inputs are one record and padding
-        (packed_records_attention)."""
+        attention in `chunks` (as `query_chunks` makes them, int32 [3, C + 1] on the device), so that nothing depends
+        on the batch but the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the
+        tokens past it are padding, whose MoE pairs the packed experts skip. one_record: the inputs are one record and
+        padding (packed_records_attention)."""
         for experts in self.packed_experts:
             experts.real_tokens = real_tokens
         try:
             return self.decoder(
-                inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, query_chunks=chunks,
+                inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False, attention_chunks=chunks,
                 one_record=one_record,
                 deepstack_visual_embeds=None if deepstack is None else list(deepstack),
             ).last_hidden_state

@@ -98,7 +98,7 @@ def test_packed_attention_is_causal_attention_within_each_record():
     key, value = torch.randn(2, 1, 2, sum(lengths) + 3, 8, generator=generator)
     boundaries = [0, *itertools.accumulate(lengths), sum(lengths) + 3]  # the padding as one more record
     chunks = torch.from_numpy(serve_clef.query_chunks(boundaries, 8))
-    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, query_chunks=chunks)
+    packed, _ = serve_clef.packed_records_attention(None, query, key, value, None, 0.3, attention_chunks=chunks)
     assert packed.shape == (1, sum(lengths) + 3, 4, 8)
     for start, end in itertools.pairwise(boundaries):
         alone = torch.nn.functional.scaled_dot_product_attention(
