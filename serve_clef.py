@@ -1416,7 +1416,10 @@ def nvfp4_down_fragment_kernel(
     WARP_GROUPS: gl.constexpr,  # 64-column output slabs a program, one a warp group (ExpertTiles.down_num_warps / 4)
     SMALLEST_ROWS: gl.constexpr,  # as for nvfp4_gate_up_fragment_kernel: the same count, so the same slots
 ):
-    tile, slab_group = gl.program_id(0), gl.program_id(1)  # slab_group: 64 WARP_GROUPS output columns
+    # slab_group: 64 WARP_GROUPS output columns. The slab groups vary fastest, so a routed tile's programs run side by
+    # side and read its input rows from L2 once fetched: at 2,048 tokens and more the input outgrows L2 and, with the
+    # tiles first, a tile's groups ran hundreds of tiles apart (one layer's experts 5-9% faster, docs/benchmarks.md)
+    slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
@@ -1772,7 +1775,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         if self.simulate_fp4_activations:
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
-        nvfp4_down_fragment_kernel[(num_tiles, self.hidden // (FRAGMENT_ROWS.value * down_groups))](
+        nvfp4_down_fragment_kernel[(self.hidden // (FRAGMENT_ROWS.value * down_groups), num_tiles)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
             self.num_experts, self.hidden, self.width, WARP_GROUPS=down_groups, num_warps=4 * down_groups, **common,

@@ -234,11 +234,11 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     (down_grid, down_constexprs), = down.launches
     # gate_up: a program per 64 columns of the width, one warp group
     assert gate_up_grid[1] * 64 == config.moe_intermediate_size and gate_up_constexprs["WARP_GROUPS"] == 1
-    assert down_grid[0] == gate_up_grid[0]  # the same routed tiles
+    assert down_grid[1] == gate_up_grid[0]  # the same routed tiles, down's slab groups first (side by side)
     # down reads exactly the slots gate_up wrote: both count a tile's pairs against the same rows and smallest rows
     assert all(down_constexprs[name] == gate_up_constexprs[name] for name in ("BLOCK_R", "SMALLEST_ROWS"))
     groups = down_constexprs["WARP_GROUPS"]
-    assert down_grid[1] * groups * 64 == hidden  # a 64-column slab per warp group
+    assert down_grid[0] * groups * 64 == hidden  # a 64-column slab per warp group
     assert down_constexprs["num_warps"] == 4 * groups
     assert groups == {192: 1, 256: 4, 320: 1, 384: 2}[hidden]  # the most, up to 4, that divide
 
