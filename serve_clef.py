@@ -3001,13 +3001,34 @@ def batch_to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def gather_host_rows_kernel(
+    table_ptr,  # [V, D]: in pinned host memory, which CUDA maps into the device's address space
+    row_ids_ptr,  # int64 [N]: on the device
+    rows_ptr,  # [N, D]: out, on the device
+    num_rows, width, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * 4 + tl.arange(0, 4)  # [4]
+    columns = tl.arange(0, BLOCK_D)  # [BD]
+    inside = (rows < num_rows)[:, None] & (columns < width)[None, :]
+    row_ids = tl.load(row_ids_ptr + rows, mask=rows < num_rows, other=0)  # [4]
+    values = tl.load(table_ptr + row_ids[:, None] * width + columns[None, :], mask=inside)  # read over the bus
+    tl.store(rows_ptr + rows.to(tl.int64)[:, None] * width + columns[None, :], values, mask=inside)
+
+
 def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Rows of a host table [V, D] (row_ids int64 [N], on the host) on `device` -> [N, D]. Gathered straight into
-    pinned memory on CUDA (one copy fewer than host_to_device; 5 ms of an 8k-token forward on an H200 when it was a
-    pageable copy); torch's pinned-memory cache keeps the block until the copy to the device has run."""
-    rows = torch.empty(row_ids.numel(), table.shape[1], dtype=table.dtype, pin_memory=device.type == "cuda")
-    torch.index_select(table, 0, row_ids, out=rows)  # [N, D]
-    return rows.to(device, non_blocking=True)
+    """Rows of a host table [V, D] on `device` -> [N, D]. On CUDA the table is in pinned memory (HostEmbedding pins
+    it) and the device reads the rows it needs over the bus itself (gather_host_rows_kernel, row_ids [N] on the
+    device): the host spends a launch, not a gather and a copy (5.5 ms of host time for the ~8,300 rows of a
+    16-record forward's token embeddings on an H100's host, docs/benchmarks.md). Elsewhere row_ids are on the host
+    and the rows a plain index_select."""
+    if device.type != "cuda":
+        return torch.index_select(table, 0, row_ids).to(device)  # [N, D]
+    row_ids = row_ids.reshape(-1)  # [N]
+    rows = torch.empty(row_ids.numel(), table.shape[1], dtype=table.dtype, device=device)  # [N, D]
+    gather_host_rows_kernel[(triton.cdiv(row_ids.numel(), 4),)](
+        table, row_ids, rows, row_ids.numel(), table.shape[1], BLOCK_D=triton.next_power_of_2(table.shape[1]))
+    return rows
 
 
 class PackedTextDecoder(torch.nn.Module):
@@ -3229,19 +3250,22 @@ class FusedTopKRouter(torch.nn.Module):
 
 class HostEmbedding(torch.nn.Module):
     """Stands in for a table that is only looked up, never multiplied, with the table in host memory: the text
-    decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder, on the host, from the
-    host copy of the token ids (host_values); and the output embeddings (the lm_head's weight), of which
-    the batched joint head gathers its option tokens' rows. A forward copies to the device just the rows it needs
-    (T x H, 2 MiB at 512 tokens), and the GPU keeps 0.58 GiB (152,064 x 2,048 in BF16) free per table."""
+    decoder's token embedding (nn.Embedding), whose lookups run before the graphed decoder; and the output
+    embeddings (the lm_head's weight), of which the batched joint head gathers its option tokens' rows. On CUDA the
+    table is pinned and the device reads just the rows it needs over the bus (host_rows_to_device; T x H, 2 MiB at
+    512 tokens), and the GPU keeps 0.58 GiB (152,064 x 2,048 in BF16) free per table."""
 
     def __init__(self, embedding: torch.nn.Module):  # an nn.Embedding or nn.Linear: its weight [V, H] is the table
         super().__init__()
         self.device = embedding.weight.device
-        self.weight = embedding.weight.detach().cpu()  # [V, H]; a plain attribute: .to() leaves it here
+        # [V, H]; a plain attribute: .to() leaves it here. Pinned on CUDA, where the device reads its rows itself.
+        self.weight = embedding.weight.detach().cpu()
+        if self.device.type == "cuda":
+            self.weight = self.weight.pin_memory()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [B, L] -> [B, L, H]
-        return host_rows_to_device(self.weight, host_values(input_ids).reshape(-1), self.device).view(
-            *input_ids.shape, -1)
+        row_ids = input_ids if self.device.type == "cuda" else host_values(input_ids)
+        return host_rows_to_device(self.weight, row_ids.reshape(-1), self.device).view(*input_ids.shape, -1)
 
 
 def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
@@ -3602,7 +3626,8 @@ class BatchedJointSchemaHead(torch.nn.Module):
         if output_embedding_weight.device == hidden_states.device:
             option_rows = output_embedding_weight[index.option_token_ids]  # [To, H]
         else:
-            option_rows = host_rows_to_device(output_embedding_weight, host_index.option_token_ids,
+            option_rows = host_rows_to_device(output_embedding_weight, index.option_token_ids if
+                                              hidden_states.is_cuda else host_index.option_token_ids,
                                               hidden_states.device)  # [To, H]
         lexicals = span_means(option_rows, index.option_offsets)  # [N, H]
 

@@ -547,3 +547,16 @@ def test_out_of_memory_in_a_batch_retries_each_record_alone(loaded, monkeypatch)
             assert logits is None
         else:
             assert all(torch.equal(a, b) for a, b in zip(logits, logits_alone))
+
+
+def test_the_device_gathers_host_rows_as_index_select_does():
+    """gather_host_rows_kernel (on CUDA it reads a pinned host table over the bus; here Triton's interpreter runs it
+    on CPU tensors) gives the rows torch.index_select gives, for row counts that are and are not multiples of its 4
+    rows a program, repeated ids and the table's first and last rows, a width that is not a power of two."""
+    generator = torch.Generator().manual_seed(4)
+    table = torch.randn(50, 24, generator=generator).to(torch.bfloat16)  # [V, D]
+    for row_ids in (torch.tensor([0, 49, 7, 7, 3]), torch.randint(0, 50, (8,), generator=generator)):
+        rows = torch.empty(row_ids.numel(), 24, dtype=torch.bfloat16)
+        serve_clef.gather_host_rows_kernel[(serve_clef.triton.cdiv(row_ids.numel(), 4),)](
+            table, row_ids, rows, row_ids.numel(), 24, BLOCK_D=32)
+        assert torch.equal(rows, torch.index_select(table, 0, row_ids))
