@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_serve  # bench/: the media requests
+
 import serve_clef  # the repository root
 
 THREAD_COUNTS = (1, 2, 4, 8, 16)
