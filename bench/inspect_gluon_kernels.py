@@ -1,7 +1,8 @@
 """Compile serve_clef's Hopper (Gluon) expert kernels for sm_90a on any machine, GPU or not, and report what the
 assembler made of them: registers and spills per thread (which decide how many programs share an SM), shared
-memory, the instructions a warp issues per step of the main loop, and optionally the SASS of one kernel, to read where
-ptxas put the waits (docs/expert-kernels.md, "Pipeline").
+memory, the instructions a warp issues per step of the main loop, the writes into registers that tensor-core products
+still in flight read (must be none), and optionally the SASS of one kernel, to read where ptxas put the waits
+(docs/expert-kernels.md, "Pipeline").
 
 Needs the triton whose Gluon dialect serve_clef is written against (3.6, the GPU image's; on a CPU machine:
 `pip install --target DIR triton==3.6.0` and DIR first on PYTHONPATH). Uses the ptxas and nvdisasm that triton ships.
@@ -58,8 +59,10 @@ def assembler_report(compiled) -> dict:
     # by registers (allocated 8 a thread at a time), shared memory (1 KiB a program for the driver) and 64 warps
     programs_per_sm = min(65536 // (-(-registers // 8) * 8 * threads), 228 * 1024 // (compiled.metadata.shared + 1024),
                           64 * 32 // threads)
+    sass_text = sass(compiled)
     return {"registers": registers, "spill_stores_bytes": spilled, "shared_bytes": compiled.metadata.shared,
-            "programs_per_sm": programs_per_sm, "loop_instructions": loop_instructions(sass(compiled))}
+            "programs_per_sm": programs_per_sm, "loop_instructions": loop_instructions(sass_text),
+            "in_flight_operand_writes": len(in_flight_operand_writes(sass_text))}
 
 
 def sass(compiled) -> str:
@@ -68,6 +71,57 @@ def sass(compiled) -> str:
     text = subprocess.run([TOOLS / "nvdisasm", "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     os.unlink(cubin.name)
     return text
+
+
+def instructions(lines: list[str]) -> list[str]:
+    """The instructions among nvdisasm's lines (those with an address comment), comments and `;` dropped."""
+    return [re.sub(r"/\*.*?\*/", "", line).strip().rstrip(" ;") for line in lines
+            if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+
+
+def written_registers(instruction: str) -> set[int]:
+    """The general registers an ALU or load instruction writes: its first operand, 1, 2 (.64) or 4 (.128) of them.
+    Stores, branches, barriers and the tensor-core instructions themselves write none that matter here."""
+    opcode, _, operands = re.sub(r"^@!?U?P\w+\s+", "", instruction).partition(" ")
+    if opcode.startswith(("ST", "BRA", "BAR", "WARPGROUP", "HGMMA", "LDGSTS", "LDGDEPBAR", "DEPBAR", "RED", "ATOM",
+                          "EXIT", "RET", "CALL", "NOP")):
+        return set()
+    first = re.fullmatch(r"R(\d+)", operands.split(",")[0].strip())
+    if not first:
+        return set()
+    width = 4 if ".128" in opcode else 2 if ".64" in opcode or ".WIDE" in opcode else 1
+    return set(range(int(first.group(1)), int(first.group(1)) + width))
+
+
+def in_flight_operand_writes(sass_text: str, rounds: int = 3) -> list[str]:
+    """Writes, inside a loop, into the registers that an asynchronous tensor-core product (HGMMA) still reads: its A
+    operand (four registers from the one named) until a `WARPGROUP.DEPBAR.LE gsb0, N` has left at most N groups in
+    flight. Each loop (label to conditional backward branch) is walked `rounds` times from nothing in flight, so a
+    write in one iteration into what the previous iteration's products read is found in the second. Such a write makes
+    the outputs change from run to run (docs/expert-kernels.md, "Pipeline"); ptxas does not prevent it."""
+    lines = sass_text.splitlines()
+    found = []
+    for end, line in enumerate(lines):
+        branch = re.search(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", line)
+        starts = [i for i, label in enumerate(lines[:end]) if branch and label.strip() == f"{branch.group(1)}:"]
+        if not starts:
+            continue
+        body = instructions(lines[starts[0]:end + 1])
+        in_flight, group = [], set()  # the A registers of each committed group, oldest first; of the one being built
+        for walk in range(rounds):
+            for instruction in body:
+                if instruction.startswith("HGMMA"):
+                    operand = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+)", instruction)
+                    if operand:  # A from registers (from shared memory it names a descriptor)
+                        group |= set(range(int(operand.group(1)), int(operand.group(1)) + 4))
+                    if "gsb0" in instruction:  # the group's last product: committed
+                        in_flight.append(group)
+                        group = set()
+                elif wait := re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s+0x([0-9a-f]+)", instruction):
+                    del in_flight[:max(0, len(in_flight) - int(wait.group(1), 16))]
+                elif walk and any(written_registers(instruction) & read for read in in_flight):
+                    found.append(instruction)
+    return sorted(set(found))
 
 
 def loop_instructions(sass_text: str) -> int:

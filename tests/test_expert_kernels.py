@@ -9,7 +9,9 @@ way, against the register layout of Hopper's tensor-core operand; bench/check_ex
 Dimension letters: E experts, H hidden, I expert width, T tokens, K experts per token, S pairs, P slots.
 """
 
+import importlib.util
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -514,3 +516,34 @@ def test_tiny_model_answers_the_same_with_the_kernels():
             for option, probability in unpack[question]["probabilities"].items():
                 assert abs(triton_answers[question]["probabilities"][option] - probability) < 0.01
         assert abs(triton_answers["late"]["noul"] - unpack["late"]["noul"]) < 0.01
+
+
+def _sass_loop(*instructions: str) -> str:
+    """A loop as nvdisasm prints one: each instruction with its address comment, under a label its branch returns to."""
+    lines = [".L_x_1:"] + [f"        /*{16 * i:04x}*/   {text} ;   /* 0x000fe20000000000 */"
+                           for i, text in enumerate(instructions + ("@P0 BRA `(.L_x_1)",))]
+    return "\n".join(lines)
+
+
+def test_the_sass_check_finds_writes_into_operands_of_products_in_flight():
+    """bench/inspect_gluon_kernels.py's check, against the rule it enforces: an asynchronous HGMMA reads its A operand
+    (four registers) until a WARPGROUP.DEPBAR.LE gsb0, N leaves at most N groups in flight, so a write into those
+    registers before that, in this iteration or the next, is a race."""
+    script = Path(__file__).parents[1] / "bench" / "inspect_gluon_kernels.py"
+    spec = importlib.util.spec_from_file_location("inspect_gluon_kernels", script)
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    products = ("WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR20], R24",
+                "HGMMA.64x64x16.F32.BF16 R24, R60, gdesc[UR24], R24, gsb0")
+    # the next step's weights moved into the registers the products read, with one group left in flight: a race
+    racing = _sass_loop("IMAD.MOV.U32 R57, RZ, RZ, R90", *products, "WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    assert inspect.in_flight_operand_writes(racing) == ["IMAD.MOV.U32 R57, RZ, RZ, R90"]
+    # the same after waiting for every group, or into registers no product reads: none
+    assert inspect.in_flight_operand_writes(racing.replace("gsb0, 0x1", "gsb0, 0x0")) == []
+    assert inspect.in_flight_operand_writes(racing.replace("R57, RZ", "R80, RZ")) == []
+    # a 16-byte load covers four registers: R61-R64 overlaps the second product's R60-R63
+    wide = _sass_loop(*products, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "LDG.E.128 R61, desc[UR16][R16.64]")
+    assert inspect.in_flight_operand_writes(wide) == ["LDG.E.128 R61, desc[UR16][R16.64]"]
+    # a write after the products are issued but before the wait, in the same iteration, races too
+    before_wait = _sass_loop(*products, "LOP3.LUT R56, R1, 0xf, RZ, 0xc0, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert inspect.in_flight_operand_writes(before_wait) == ["LOP3.LUT R56, R1, 0xf, RZ, 0xc0, !PT"]
