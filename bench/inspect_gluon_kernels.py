@@ -79,6 +79,19 @@ def instructions(lines: list[str]) -> list[str]:
             if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
 
 
+def loops(sass_text: str) -> list[list[str]]:
+    """Each loop of the kernel in code order: the instructions from the label that a conditional backward branch
+    jumps to, through that branch."""
+    lines = sass_text.splitlines()
+    found = []
+    for end, line in enumerate(lines):
+        branch = re.search(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", line)
+        starts = [i for i, label in enumerate(lines[:end]) if branch and label.strip() == f"{branch.group(1)}:"]
+        if starts:
+            found.append(instructions(lines[starts[0]:end + 1]))
+    return found
+
+
 def written_registers(instruction: str) -> set[int]:
     """The general registers an ALU or load instruction writes: its first operand, 1, 2 (.64) or 4 (.128) of them.
     Stores, branches, barriers and the tensor-core instructions themselves write none that matter here."""
@@ -99,14 +112,8 @@ def in_flight_operand_writes(sass_text: str, rounds: int = 3) -> list[str]:
     flight. Each loop (label to conditional backward branch) is walked `rounds` times from nothing in flight, so a
     write in one iteration into what the previous iteration's products read is found in the second. Such a write makes
     the outputs change from run to run (docs/expert-kernels.md, "Pipeline"); ptxas does not prevent it."""
-    lines = sass_text.splitlines()
     found = []
-    for end, line in enumerate(lines):
-        branch = re.search(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", line)
-        starts = [i for i, label in enumerate(lines[:end]) if branch and label.strip() == f"{branch.group(1)}:"]
-        if not starts:
-            continue
-        body = instructions(lines[starts[0]:end + 1])
+    for body in loops(sass_text):
         in_flight, group = [], set()  # the A registers of each committed group, oldest first; of the one being built
         for walk in range(rounds):
             for instruction in body:
@@ -125,13 +132,9 @@ def in_flight_operand_writes(sass_text: str, rounds: int = 3) -> list[str]:
 
 
 def loop_instructions(sass_text: str) -> int:
-    """Instructions a warp issues per step of the kernel's loop over the reduced dimension: from the label its
-    conditional backward branch (the last one in the code) jumps to, through that branch."""
-    lines = sass_text.splitlines()
-    label = re.findall(r"@!?P\d+\s+BRA\s+`\((\.L_x_\d+)\)", sass_text)[-1]
-    start = next(i for i, line in enumerate(lines) if line.strip() == f"{label}:")
-    end = next(i for i, line in enumerate(lines) if i > start and f"BRA `({label})" in line)
-    return sum(bool(re.search(r"/\*[0-9a-f]{4,}\*/", line)) for line in lines[start:end + 1])
+    """Instructions a warp issues per step of the kernel's loop over the reduced dimension: its last loop in the
+    code."""
+    return len(loops(sass_text)[-1])
 
 
 def main() -> int:
