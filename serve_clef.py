@@ -201,7 +201,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -928,9 +929,9 @@ class ExpertTiles:
     """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
     down kernel may take other rows and columns (down_rows must divide rows: each of its tiles then lies within one
-    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take rows, num_warps,
-    num_stages and down_num_warps only, their warps in warp groups of 4 that multiply the same activation rows by
-    slabs of their own: in gate_up one column slab of gate and up each, in down one 64-column output slab each."""
+    routed tile, so within one expert); None: the same as gate_up's. The gluon kernels take rows, num_stages,
+    smallest_rows and down_slab_pairs only, each program one warp group (4 warps): gate_up multiplies a column slab of
+    gate and up, down one 64-column output slab, or two adjacent ones where down_slab_pairs says so."""
 
     rows: int
     columns: int
@@ -939,10 +940,12 @@ class ExpertTiles:
     num_stages: int
     down_rows: int | None = None
     down_columns: int | None = None
-    down_num_warps: int | None = None
     # gluon only: the fewest of a routed tile's first slots that its products may take (rows/2 or rows/4, a power of
     # two: Triton's shapes are), when the tile's pairs fit in them; None: always all `rows`
     smallest_rows: int | None = None
+    # gluon only: a down program multiplies two adjacent output slabs, their products issued in turn, so it reads its
+    # tile's rows once for 128 output columns (where the hidden size has an even number of slabs)
+    down_slab_pairs: bool = False
 
 
 # By mean pairs per expert (T * K / E): few rows per tile while each expert sees few tokens, so that little of each
@@ -984,9 +987,9 @@ def fitted_block(block: int, size: int) -> int:
 # each word whole to the decode PTX; the block scales stay in the checkpoint's order, four (a row's step) read as one
 # word, each byte rewritten so that two become BF16 in two instructions (fragment_scales). The activations (gate_up:
 # gathered by token; down: the intermediate rows) go through a ring of cp.async copies in shared memory, the tensor
-# cores' right operand, which the program's warp groups share, each multiplying slabs of its own. The W4A4 replay
-# rounds the gate_up input before the gate_up kernel and the down input between the two, with the Triton kernels'
-# rounding (round_activations_to_nvfp4). Gluon has no interpreter, so these kernels run on the GPU only:
+# cores' right operand, which one warp group a program multiplies by one slab or two, their products in turn. The
+# W4A4 replay rounds the gate_up input before the gate_up kernel and the down input between the two, with the Triton
+# kernels' rounding (round_activations_to_nvfp4). Gluon has no interpreter, so these kernels run on the GPU only:
 # bench/check_expert_kernels.py compares them there with the unpack reference, and the tests check on CPU the fragment
 # order and the decode PTX, instruction by instruction, and the launches' grids.
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
@@ -1038,34 +1041,23 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
     "{\n.reg .b32 spread;\n" + "\n".join(
         f"prmt.b32 spread, $2, 0, {selector};\nmad.lo.u32 ${pair}, spread, 16, {FRAGMENT_SCALE_OFFSET:#x};"
         for pair, selector in enumerate(("0x4140", "0x4342"))) + "\n}")
-# Rows R per routed tile, pipeline stages, and the down kernel's warps (a warp group of 4 warps per 64-column output
-# slab, all multiplying the same activation rows), by mean pairs per expert (T * K / E). On an H200 (2026-12-04,
-# docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 with one down slab at 512-2,048,
-# and 128 from 3,072 tokens on, where 256 output columns a down program beat one warp group of two slabs: two warp
-# groups of two slabs each by 2-10% (8,192 tokens: 1.917 against 2.027-2.123 ms), four warp groups of one slab by 3-4%
-# more (8,192 tokens: 1.821 against 1.881-1.904 ms); gate_up in two warp groups was 8-15% slower. The rows of 64 lose
-# there by 10-20%; at 2,048 tokens they were within 1-3%. Two slabs a warp group lost with few tokens per expert (fewer
-# programs, two per SM at 188 registers against four), and the down kernel has taken one slab a warp group since
-# (`git show 88e392d:serve_clef.py` has the two-slab form); more warp groups gained nothing there. Where one row gives
-# way to the next between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# Rows R per routed tile, pipeline stages and down's slab pairs, by mean pairs per expert (T * K / E). On an H200
+# (2026-12-04, docs/benchmarks.md), one layer as served: R = 32 was the fastest at 64 tokens, 64 at 512-2,048 and 128
+# from 3,072 tokens on, where the rows of 64 lose by 10-20% (at 2,048 tokens they were within 1-3%). With R = 128 the
+# down kernel then ran four warp groups a program, one output slab each, which beat one or two warp groups of one or
+# two slabs by 3-15% (8,192 tokens: 1.821 against 1.881-2.123 ms). On an H100 (2026-12-05) one warp group on a pair of
+# slabs whose products go in turn beat those four by 3-7% from 4,096 to 16,384 tokens and lost 5% at 512 tokens, so
+# only the rows of 128 take pairs; since then every gluon program is one warp group. Where one row gives way to the next
+# between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
 # smallest_rows: a tile at most half or a quarter full multiplies only its first R/2 or R/4 slots (R/4 from R = 64
 # on). One layer, the same run and GPU (2026-12-05): 4-7% faster from 64 to 6,144 tokens (512: 0.244 against 0.258
 # ms), 3.6% slower at 8,192 (1.907 against 1.840 ms), so rows past 384 pairs per expert multiply whole tiles.
 FRAGMENT_TILES = (
     (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=16)),
     (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4, smallest_rows=16)),
-    (384, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_num_warps=16, smallest_rows=32)),
-    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_num_warps=16)),
+    (384, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=32, down_slab_pairs=True)),
+    (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_slab_pairs=True)),
 )
-
-
-def fragment_warp_groups(tiles: ExpertTiles, hidden: int, width: int) -> tuple[int, int]:
-    """The warp groups of a gluon program, for this hidden size and expert width: gate_up's (each a column slab of
-    gate and up) and down's (each a 64-column output slab), as many as the table asks and the sizes divide into."""
-    slab = FRAGMENT_ROWS.value
-    gate_up_groups = fitted_block(tiles.num_warps // 4, width // slab)
-    down_groups = fitted_block((tiles.down_num_warps or tiles.num_warps) // 4, hidden // slab)
-    return gate_up_groups, down_groups
 
 
 def fragment_words(packed_codes: torch.Tensor) -> torch.Tensor:
@@ -1148,11 +1140,10 @@ def _fragment_scales(scale_words, slices):
 
 
 @gluon.jit
-def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.constexpr,
-                          WARP_GROUPS: gl.constexpr):
-    """One step of a slab per warp group: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the
-    weights BF16 [64 rows a warp group, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register
-    layout; asserted, so no data moves between threads)."""
+def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.constexpr):
+    """One step of a slab: words int32 [w, rl, q, s] and the scale words of rows r and r + 8 -> the weights BF16
+    [64 rows, 64 columns] as e2m1 * block_scale * 2**-8, in DOT_A (the operand's register layout; asserted, so no data
+    moves between threads)."""
     scales, scales_8 = _fragment_scales(scale_words, slices), _fragment_scales(scale_words_8, slices)
     scales = gl.join(gl.join(scales, scales), gl.join(scales_8, scales_8))  # [w, rl, q, s, h, e]
     scales = gl.join(scales, scales)  # [w, rl, q, s, h, e, p]
@@ -1160,45 +1151,28 @@ def _decode_fragment_step(words, scale_words, scale_words_8, slices, DOT_A: gl.c
     weights = gl.inline_asm_elementwise(FRAGMENT_WORD_PTX, "=r,=r,=r,=r" + ",r" * 12, [_repeat_eight(words), scales],
                                         dtype=gl.bfloat16, is_pure=False, pack=8)  # [w, rl, q, s, h, e, p]
     weights = gl.permute(weights, (0, 5, 1, 3, 4, 2, 6))  # [w, e, rl, s, h, q, p]: row, then column order
-    weights = gl.reshape(weights, [FRAGMENT_ROWS * WARP_GROUPS, FRAGMENT_STEP])
+    weights = gl.reshape(weights, [FRAGMENT_ROWS, FRAGMENT_STEP])
     return gl.convert_layout(weights, DOT_A, assert_trivial=True)
 
 
 @gluon.constexpr_function
-def fragment_accumulator_layout(rows, warp_groups):
-    """The products' accumulator [64 rows of each of `warp_groups` slabs, `rows` routed rows]: Hopper's wgmma, warp
-    group g multiplying slab g's rows."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * warp_groups, 1], instr_shape=[16, rows, 16])
+def fragment_accumulator_layout(rows):
+    """The products' accumulator [64 slab rows, `rows` routed rows]: Hopper's wgmma on the program's warp group."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
 
 
-@gluon.constexpr_function
-def fragment_words_layout(warp_groups):
-    """words [w, rl, q, s]: lanes (rl, q), warps w (warp group w // 4), a thread's four words of a step in its
-    registers (one 16-byte load)."""
-    return gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4 * warp_groups, 1, 1, 1], [3, 2, 1, 0])
-
-
-@gluon.constexpr_function
-def fragment_rows_copy_layout(warp_groups):
-    """16-byte copies of a tile's activation rows [R, 64], every warp taking part."""
-    return gl.BlockedLayout([1, 8], [4, 8], [4 * warp_groups, 1], [1, 0])
+# words [w, rl, q, s]: lanes (rl, q), warps w, a thread's four words of a step in its registers (one 16-byte load)
+FRAGMENT_WORDS_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [4, 1, 1, 1], [3, 2, 1, 0]))
+# 16-byte copies of a tile's activation rows [R, 64], every warp taking part
+FRAGMENT_ROWS_COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 @gluon.jit
-def _allocate_fragment_ring(BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
-    """The shared-memory ring of activation rows, the products' right operand: [STAGES, R, 64] BF16."""
-    return gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
-                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
-
-
-@gluon.jit
-def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced,
-                            WARP_GROUPS: gl.constexpr):
-    """Pointers to step 0 of slabs slab, slab + 1, ... (one a warp group): their words [w, rl, q, s] and row r's scale
-    word [w, rl, q] (row r + 8's lie 8 * reduced / 64 further), and the slices [1, 1, 1, s] that give a step's scales
-    their layout."""
-    WORDS: gl.constexpr = fragment_words_layout(WARP_GROUPS)
-    w = gl.arange(0, 4 * WARP_GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
+def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced):
+    """Pointers to step 0 of slab `slab`: its words [w, rl, q, s] and row r's scale word [w, rl, q] (row r + 8's lie
+    8 * reduced / 64 further), and the slices [1, 1, 1, s] that give a step's scales their layout."""
+    WORDS: gl.constexpr = FRAGMENT_WORDS_LAYOUT
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
     rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WORDS))))
     s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))
@@ -1207,9 +1181,8 @@ def _fragment_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_step
     q = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 1), 3)
     s = gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 0), 1), 2)
     first_word = slab.to(gl.int64) * num_steps * FRAGMENT_STEP_WORDS
-    words_ptr = (fragment_words_ptr + first_word + (w // 4) * num_steps * FRAGMENT_STEP_WORDS
-                 + (((w % 4) * 8 + rl) * 4 + q) * 4 + s)  # [w, rl, q, s]
-    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r counted from the first slab's first
+    words_ptr = fragment_words_ptr + first_word + ((w * 8 + rl) * 4 + q) * 4 + s  # [w, rl, q, s]
+    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r of the slab
     scales_ptr = block_scales_ptr + (slab.to(gl.int64) * FRAGMENT_ROWS + rows) * (reduced // 64)
     return words_ptr, scales_ptr, s
 
@@ -1221,125 +1194,177 @@ def _load_fragment_step(words_ptr, scales_ptr, reduced, step):
             gl.load(scales_ptr + 8 * (reduced // 64) + step))
 
 
-@gluon.jit
-def _fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices, rows_ptr,
-                       rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                       TWO_SLABS: gl.constexpr, WARP_GROUPS: gl.constexpr):
-    """One slab's, or two slabs', weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of
-    activations (rows_ptr [R, 64] at step 0, read `rows_mask`, or whole when None) over `num_steps` steps -> the
-    fp32 products [64 slab rows, R], the second zeros for one slab; with several warp groups, each multiplies the
-    slab after the previous one's by the same activations ([64 * WARP_GROUPS, R]).
+# The activations go through a ring of STAGES slots of cp.async copies in shared memory: the first STAGES - 1 steps'
+# rows are copied before the loop, and each step's slot is refilled with the rows STAGES - 1 steps ahead once the
+# products that read it are done. Rows read `rows_mask` [R, 64], or whole when None.
 
-    The activations go through a ring of cp.async copies in shared memory. Step 0 is decoded and step 1's codes are
-    in registers before the loop; each step loads step + 2's codes, issues its products, decodes step + 1's codes and
-    then waits for the products, keeping their weights until then, since the tensor cores read them from registers.
-    (ptxas moves that wait before the decode: docs/expert-kernels.md, "Pipeline".)"""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
-    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
-    ring = _allocate_fragment_ring(BLOCK_R, STAGES)
+@gluon.jit
+def _start_fragment_ring(rows_ptr, rows_mask, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """The ring of activation rows, the products' right operand, shared memory [STAGES, R, 64] BF16, its first
+    STAGES - 1 steps' copies issued."""
+    ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_R, FRAGMENT_STEP],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_R, FRAGMENT_STEP], gl.bfloat16))
     for first_step in gl.static_range(STAGES - 1):
         async_copy.async_copy_global_to_shared(ring.index(first_step), rows_ptr + first_step * FRAGMENT_STEP,
                                                mask=rows_mask)
         async_copy.commit_group()
-    first = gl.zeros([FRAGMENT_ROWS * WARP_GROUPS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 G slab rows, R slots]
-    second = gl.zeros([FRAGMENT_ROWS * WARP_GROUPS, BLOCK_R], gl.float32, ACCUMULATOR)
-    first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
-                                          slices, DOT_A, WARP_GROUPS)
-    first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
-    if TWO_SLABS:
-        second_weights = _decode_fragment_step(*_load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0),
-                                               slices, DOT_A, WARP_GROUPS)
-        second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    return ring
+
+
+@gluon.jit
+def _refill_fragment_ring(ring, rows_ptr, rows_mask, step, num_steps, STAGES: gl.constexpr):
+    """Step `step`'s products are done: its slot takes the rows of step + STAGES - 1 (the last step's again past the
+    end, so that every step commits one group)."""
+    async_copy.async_copy_global_to_shared(ring.index((step + STAGES - 1) % STAGES),
+                                           rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP,
+                                           mask=rows_mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ring_step(ring, step, STAGES: gl.constexpr):
+    """Step `step`'s rows [64, R] once every thread's copies of them are in."""
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    fence_async_shared()
+    return ring.index(step % STAGES).permute((1, 0))
+
+
+@gluon.jit
+def _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, reduced, BLOCK_R: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """A slab's weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of activations
+    (rows_ptr [R, 64] at step 0) over `num_steps` steps -> the fp32 products [64 slab rows, R].
+
+    Step 0 is decoded and step 1's codes are in registers before the loop; each step loads step + 2's codes, issues
+    its products, decodes step + 1's codes and then waits for the products, keeping their weights until then, since
+    the tensor cores read them from registers. (ptxas moves that wait before the decode: docs/expert-kernels.md,
+    "Pipeline"; _paired_fragment_products overlaps them.)"""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+    ring = _start_fragment_ring(rows_ptr, None, BLOCK_R, STAGES)
+    out = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
+    weights = _decode_fragment_step(*_load_fragment_step(words_ptr, scales_ptr, reduced, 0), slices, DOT_A)
+    codes = _load_fragment_step(words_ptr, scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     for step in range(num_steps):
-        ahead = gl.minimum(step + 2, num_steps - 1)
-        next_first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, ahead)
-        if TWO_SLABS:
-            next_second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, ahead)
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()  # every thread's copies of this step are in
-        fence_async_shared()
+        next_codes = _load_fragment_step(words_ptr, scales_ptr, reduced, gl.minimum(step + 2, num_steps - 1))
+        out = warpgroup_mma(weights, _ring_step(ring, step, STAGES), out, is_async=True)
+        next_weights = _decode_fragment_step(*codes, slices, DOT_A)
+        out, weights = warpgroup_mma_wait(num_outstanding=0, deps=(out, weights))
+        _refill_fragment_ring(ring, rows_ptr, None, step, num_steps, STAGES)
+        weights, codes = next_weights, next_codes
+    async_copy.wait_group(0)
+    return out
+
+
+@gluon.jit
+def _paired_fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices,
+                              rows_ptr, rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """Two slabs' weights times the same R rows of activations -> their fp32 products [64 slab rows, R] each, the
+    products issued in turn so that each slab's weights are decoded while the other slab's products run: step s's
+    second-slab weights during the first slab's step s, step s + 1's first-slab weights during the second slab's step
+    s. Each wait leaves the other slab's products in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1 before each decode, in the
+    SASS triton 3.6 builds for sm_90a), and each slab's weights live in registers of their own (154-155 registers at
+    R = 64, as two slabs issued together take). Issued together, ptxas waits for both before decoding (one layer's
+    experts 1-5% slower from 512 to 8,192 tokens on an H100, docs/benchmarks.md).
+
+    The first slab runs one half-step ahead: its step 0 is issued before the loop, the loop runs steps 0 to n - 2 (the
+    second slab's s, the first slab's s + 1) and the second slab's last step follows it. A slot is refilled once both
+    slabs' products of its step are done (the waits retire products in order)."""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+    ring = _start_fragment_ring(rows_ptr, rows_mask, BLOCK_R, STAGES)
+    first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
+    # an accumulator as the loop carries it (an asynchronous product's), though no product is in flight yet
+    second = warpgroup_mma_init(gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR))
+    first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
+                                          slices, DOT_A)
+    second_weights = gl.zeros([FRAGMENT_ROWS, FRAGMENT_STEP], gl.bfloat16, DOT_A)  # no second-slab product yet
+    second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0)
+    first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    first = warpgroup_mma(first_weights, _ring_step(ring, 0, STAGES), first, is_async=True)
+    for step in range(num_steps - 1):
+        next_second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, step + 1)
+        next_first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced,
+                                               gl.minimum(step + 2, num_steps - 1))
         rows = ring.index(step % STAGES).permute((1, 0))  # [64, R]
-        first = warpgroup_mma(first_weights, rows, first, is_async=True)
-        if TWO_SLABS:
-            second = warpgroup_mma(second_weights, rows, second, is_async=True)
-        next_first_weights = _decode_fragment_step(*first_codes, slices, DOT_A, WARP_GROUPS)
-        if TWO_SLABS:
-            next_second_weights = _decode_fragment_step(*second_codes, slices, DOT_A, WARP_GROUPS)
-            first, second, first_weights, second_weights = warpgroup_mma_wait(
-                num_outstanding=0, deps=(first, second, first_weights, second_weights))
-        else:
-            first, first_weights = warpgroup_mma_wait(num_outstanding=0, deps=(first, first_weights))
-        async_copy.async_copy_global_to_shared(
-            ring.index((step + STAGES - 1) % STAGES),
-            rows_ptr + gl.minimum(step + STAGES - 1, num_steps - 1) * FRAGMENT_STEP, mask=rows_mask)
-        async_copy.commit_group()
-        first_weights, first_codes = next_first_weights, next_first_codes
-        if TWO_SLABS:
-            second_weights, second_codes = next_second_weights, next_second_codes
+        # the second slab's step s - 1 done (so step s - 1's slot is free), the first slab's step s may still run
+        second, second_weights = warpgroup_mma_wait(num_outstanding=1, deps=(second, second_weights))
+        _refill_fragment_ring(ring, rows_ptr, rows_mask, step, num_steps, STAGES)
+        second_weights = _decode_fragment_step(*second_codes, slices, DOT_A)
+        second = warpgroup_mma(second_weights, rows, second, is_async=True)
+        first, first_weights = warpgroup_mma_wait(num_outstanding=1, deps=(first, first_weights))
+        first_weights = _decode_fragment_step(*first_codes, slices, DOT_A)
+        first = warpgroup_mma(first_weights, _ring_step(ring, step + 1, STAGES), first, is_async=True)
+        first_codes, second_codes = next_first_codes, next_second_codes
+    second, second_weights = warpgroup_mma_wait(num_outstanding=1, deps=(second, second_weights))
+    second_weights = _decode_fragment_step(*second_codes, slices, DOT_A)
+    second = warpgroup_mma(second_weights, ring.index((num_steps - 1) % STAGES).permute((1, 0)), second,
+                           is_async=True)
+    first, second, first_weights, second_weights = warpgroup_mma_wait(
+        num_outstanding=0, deps=(first, second, first_weights, second_weights))
     async_copy.wait_group(0)
     return first, second
 
 
 @gluon.jit
-def _tile_pairs(slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, WARP_GROUPS: gl.constexpr):
+def _tile_pairs(slot_pairs_ptr, tile, BLOCK_R: gl.constexpr):
     """How many of routed tile `tile`'s BLOCK_R slots hold a pair: routing fills a tile's slots from its first, so
     a tile at most half or a quarter full (an expert's last tile, or a lightly routed expert's only one) has its pairs
     in its first half or quarter."""
-    SLOTS: gl.constexpr = gl.BlockedLayout([1], [32], [4 * WARP_GROUPS], [0])
+    SLOTS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=SLOTS))
     return gl.sum((pairs >= 0).to(gl.int32), axis=0)
 
 
 @gluon.jit
 def _run_tile(tile_work: gl.constexpr, args, slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-              WARP_GROUPS: gl.constexpr, SMALLEST_ROWS: gl.constexpr):
-    """tile_work(*args, BLOCK_R, N, STAGES, WARP_GROUPS) on the fewest first slots of routed tile `tile` that hold
-    its pairs, N = BLOCK_R, BLOCK_R/2 or BLOCK_R/4, down to SMALLEST_ROWS: the products' cost grows with their N.
-    Gate_up and down count the same pairs, so down reads exactly the slots gate_up wrote."""
+              SMALLEST_ROWS: gl.constexpr):
+    """tile_work(*args, BLOCK_R, N, STAGES) on the fewest first slots of routed tile `tile` that hold its pairs,
+    N = BLOCK_R, BLOCK_R/2 or BLOCK_R/4, down to SMALLEST_ROWS: the products' cost grows with their N. Gate_up and
+    down count the same pairs, so down reads exactly the slots gate_up wrote."""
     if SMALLEST_ROWS == BLOCK_R:
-        tile_work(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
+        tile_work(*args, BLOCK_R, BLOCK_R, STAGES)
     else:
-        filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R, WARP_GROUPS)
+        filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R)
         if filled * 2 > BLOCK_R:
-            tile_work(*args, BLOCK_R, BLOCK_R, STAGES, WARP_GROUPS)
+            tile_work(*args, BLOCK_R, BLOCK_R, STAGES)
         elif SMALLEST_ROWS == BLOCK_R // 2:
-            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
+            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES)
         elif filled * 4 > BLOCK_R:
-            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES, WARP_GROUPS)
+            tile_work(*args, BLOCK_R, BLOCK_R // 2, STAGES)
         else:
-            tile_work(*args, BLOCK_R, BLOCK_R // 4, STAGES, WARP_GROUPS)
+            tile_work(*args, BLOCK_R, BLOCK_R // 4, STAGES)
 
 
 @gluon.jit
 def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                   intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row,
-                  TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr, WARP_GROUPS: gl.constexpr):
+                  TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
     """nvfp4_gate_up_fragment_kernel's work on the first BLOCK_R slots of routed tile `tile` (TILE_ROWS slots)."""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
-    ROWS_COPY: gl.constexpr = fragment_rows_copy_layout(WARP_GROUPS)
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
+    ROWS_COPY: gl.constexpr = FRAGMENT_ROWS_COPY_LAYOUT
     num_steps = hidden // FRAGMENT_STEP
-    gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column * WARP_GROUPS
+    gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
     gate_words_ptr, gate_scales_ptr, slices = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden, WARP_GROUPS)
+        fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
     up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden, WARP_GROUPS)
+        fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
     # the tile's token rows, gathered (padding slots read zeros)
     copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
     pairs = gl.load(slot_pairs_ptr + tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY)))
     tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
     rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
     rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
-    gate, up = _fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices,
-                                  rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True,
-                                  WARP_GROUPS)
-    # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 G columns, R slots]
+    gate, up = _paired_fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices,
+                                         rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES)
+    # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
     gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     gate, up = gate.to(gl.float32), up.to(gl.float32)
     activated = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
     intermediate = (activated * up).to(gl.bfloat16)
-    columns = (slab_column * FRAGMENT_ROWS * WARP_GROUPS
-               + gl.arange(0, FRAGMENT_ROWS * WARP_GROUPS, layout=gl.SliceLayout(1, ACCUMULATOR)))
+    columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
     slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
     gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
 
@@ -1354,25 +1379,24 @@ def nvfp4_gate_up_fragment_kernel(
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot multiplied (a tile's first R, R/2 or R/4 slots)
     num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-    WARP_GROUPS: gl.constexpr,  # slab columns per program, one a warp group (ExpertTiles.num_warps / 4)
     SMALLEST_ROWS: gl.constexpr,  # ExpertTiles.smallest_rows, or BLOCK_R
 ):
-    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 WARP_GROUPS columns of gate and up
+    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of gate and of up
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                 intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
-        _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, WARP_GROUPS, SMALLEST_ROWS)
+        _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
 
 
 @gluon.jit
 def _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
-                        BLOCK_R: gl.constexpr, WARP_GROUPS: gl.constexpr):
-    """The epilogue of nvfp4_down_kernel for the products out [64 output columns of each of WARP_GROUPS slabs from
-    `slab` on, R slots]: global scale, BF16, routing weight, BF16, stored in each pair's row."""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
+                        BLOCK_R: gl.constexpr):
+    """The epilogue of nvfp4_down_kernel for the products out [64 output columns of slab `slab`, R slots]: global
+    scale, BF16, routing weight, BF16, stored in each pair's row."""
+    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
     out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
-    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS * WARP_GROUPS, layout=gl.SliceLayout(1, ACCUMULATOR))
+    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
     pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
     out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
     mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
@@ -1380,26 +1404,58 @@ def _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_sc
 
 
 @gluon.jit
-def _down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-               global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width,
-               TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr, WARP_GROUPS: gl.constexpr):
-    """nvfp4_down_fragment_kernel's work on the first BLOCK_R slots of routed tile `tile` (TILE_ROWS slots)."""
-    ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R, WARP_GROUPS)
-    ROWS_COPY: gl.constexpr = fragment_rows_copy_layout(WARP_GROUPS)
-    num_steps = width // FRAGMENT_STEP
-    slab = WARP_GROUPS * slab_group  # the first warp group's
-    words_ptr, scales_ptr, slices = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width,
-        WARP_GROUPS)
-    # the tile's intermediate rows (gate_up wrote zeros in the padding slots it multiplied)
+def _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr):
+    """Routed tile `tile`'s first BLOCK_R intermediate rows [R, 64] at step 0 (gate_up wrote zeros in the padding
+    slots it multiplied)."""
+    ROWS_COPY: gl.constexpr = FRAGMENT_ROWS_COPY_LAYOUT
     copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
     copy_slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY))
-    rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
-    out, _ = _fragment_products(words_ptr, scales_ptr, words_ptr, scales_ptr, slices, rows_ptr, None, num_steps,
-                                width, BLOCK_R, STAGES, False, WARP_GROUPS)  # one slab: no second one to read
-    pairs = gl.load(slot_pairs_ptr + tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR)))
+    return intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
+
+
+@gluon.jit
+def _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr):
+    """The pairs [R] of the tile's first BLOCK_R slots, as the products' columns lie (read after the products, so
+    that they take no registers during them)."""
+    slots = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, fragment_accumulator_layout(BLOCK_R)))
+    return gl.load(slot_pairs_ptr + tile * TILE_ROWS + slots)
+
+
+@gluon.jit
+def _down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
+               global_scale_ptr, pair_outputs_ptr, expert, tile, slab, hidden, width,
+               TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """nvfp4_down_fragment_kernel's work on output slab `slab` and the first BLOCK_R slots of routed tile `tile`
+    (TILE_ROWS slots)."""
+    num_steps = width // FRAGMENT_STEP
+    words_ptr, scales_ptr, slices = _fragment_step_pointers(
+        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
+    rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
+    out = _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, width, BLOCK_R, STAGES)
+    pairs = _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS, BLOCK_R)
     _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
-                        BLOCK_R, WARP_GROUPS)
+                        BLOCK_R)
+
+
+@gluon.jit
+def _paired_down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
+                      global_scale_ptr, pair_outputs_ptr, expert, tile, slab_pair, hidden, width,
+                      TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """_down_tile on output slabs 2 slab_pair and 2 slab_pair + 1, their products in turn."""
+    num_steps = width // FRAGMENT_STEP
+    slab = 2 * slab_pair
+    first_words_ptr, first_scales_ptr, slices = _fragment_step_pointers(
+        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
+    second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
+        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + 1, num_steps, width)
+    rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
+    first, second = _paired_fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
+                                              slices, rows_ptr, None, num_steps, width, BLOCK_R, STAGES)
+    pairs = _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS, BLOCK_R)
+    _store_pair_outputs(first, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
+                        BLOCK_R)
+    _store_pair_outputs(second, slab + 1, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr,
+                        hidden, BLOCK_R)
 
 
 @gluon.jit
@@ -1413,18 +1469,20 @@ def nvfp4_down_fragment_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-    WARP_GROUPS: gl.constexpr,  # 64-column output slabs a program, one a warp group (ExpertTiles.down_num_warps / 4)
     SMALLEST_ROWS: gl.constexpr,  # as for nvfp4_gate_up_fragment_kernel: the same count, so the same slots
+    SLAB_PAIRS: gl.constexpr,  # ExpertTiles.down_slab_pairs: two adjacent output slabs a program
 ):
-    # slab_group: 64 WARP_GROUPS output columns. The slab groups vary fastest, so a routed tile's programs run side by
-    # side and read its input rows from L2 once fetched: at 2,048 tokens and more the input outgrows L2 and, with the
-    # tiles first, a tile's groups ran hundreds of tiles apart (one layer's experts 5-9% faster, docs/benchmarks.md)
+    # slab_group: one output slab of 64 columns, or a pair. The slab groups vary fastest, so a routed tile's programs
+    # run side by side and read its input rows from L2 once fetched: at 2,048 tokens and more the input outgrows L2
+    # and, with the tiles first, a tile's groups ran hundreds of tiles apart (one layer's experts 5-9% faster,
+    # docs/benchmarks.md)
     slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
                 global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
-        _run_tile(_down_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, WARP_GROUPS, SMALLEST_ROWS)
+        tile_work: gl.constexpr = _paired_down_tile if SLAB_PAIRS else _down_tile
+        _run_tile(tile_work, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
 
 
 # ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
@@ -1762,23 +1820,24 @@ class PackedNVFP4Experts(torch.nn.Module):
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
         slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
         num_tiles = tile_experts.numel()
-        common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, SMALLEST_ROWS=tiles.smallest_rows or tiles.rows)
-        gate_up_groups, down_groups = fragment_warp_groups(tiles, self.hidden, self.width)
+        # every program one warp group; down on pairs of output slabs where the table asks and the slabs pair up
+        common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, SMALLEST_ROWS=tiles.smallest_rows or tiles.rows,
+                      num_warps=4)
+        slab_pairs = tiles.down_slab_pairs and (self.hidden // FRAGMENT_ROWS.value) % 2 == 0
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
-        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // (FRAGMENT_ROWS.value * gate_up_groups))](
+        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
             gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
             self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
-            self.hidden, self.width, pairs_per_row, WARP_GROUPS=gate_up_groups, num_warps=4 * gate_up_groups,
-            **common,
+            self.hidden, self.width, pairs_per_row, **common,
         )
         if self.simulate_fp4_activations:
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
-        nvfp4_down_fragment_kernel[(self.hidden // (FRAGMENT_ROWS.value * down_groups), num_tiles)](
+        nvfp4_down_fragment_kernel[(self.hidden // (FRAGMENT_ROWS.value * (2 if slab_pairs else 1)), num_tiles)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            self.num_experts, self.hidden, self.width, WARP_GROUPS=down_groups, num_warps=4 * down_groups, **common,
+            self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs, **common,
         )
         return sum_top_k(pair_outputs, top_k, self.real_tokens)
 

@@ -8,8 +8,8 @@ Checks (each counts toward the exit status; nothing is printed as OK that was no
    grouped_mm reference to within BF16 error, W4A16 and W4A4, at several token counts: the max and mean absolute
    error relative to the reference's mean absolute output are printed and gated.
 3. With power-of-two global scales every weight is exact in BF16 on both paths, so the two differ only in summation
-   order: that gate is tighter (max 0.05 and mean 0.001 of the mean output, against 0.25 and 0.01 for W4A16 and 1.0
-   and 0.05 for W4A4 otherwise), W4A16 and W4A4 alike.
+   order: that gate is tighter (max two BF16 steps of the largest output, printed as a share of the mean output, and
+   mean 0.001, against 0.25 and 0.01 for W4A16 and 1.0 and 0.05 for W4A4 otherwise), W4A16 and W4A4 alike.
 2 and 3 run the Triton kernels and, on a Hopper GPU, the gluon kernels, W4A16 and W4A4 alike; so does the check of
 input scales per expert (older exports, which round the gate_up input once per pair). On a GPU with FP4 tensor cores
 (compute capability 10.x and later) whose torch runs the grouped FP4 matmul (serve_clef's own check at load passes),
@@ -44,8 +44,11 @@ sys.path.insert(0, str(ROOT))
 import serve_clef  # noqa: E402
 
 TOKEN_COUNTS = (1, 64, 256, 512, 1024, 2048, 4096, 8192)
-# (max, mean) error gates relative to the mean output where only the summation order differs (power-of-two scales)
-POWER_OF_TWO_GATES = (0.05, 0.001)
+# Where only the summation order differs (power-of-two scales) a BF16 rounding may flip, in a pair's output and in the
+# top-k sum: the largest error is gated at two BF16 steps (2**-7 of the binade) of the largest output (the Triton
+# kernels: one step, 0.054 of the mean output, at 2,048 tokens and more on an H100); the mean error relative to the mean
+# output at 0.001 (measured: 0)
+POWER_OF_TWO_STEPS, POWER_OF_TWO_MEAN_GATE = 2, 0.001
 CONFIG = Qwen3OmniMoeTextConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 CANDIDATE_TILES = [
     serve_clef.ExpertTiles(rows, columns, reduced, warps, stages)
@@ -176,7 +179,8 @@ def main() -> int:
                 # power-of-two global scales only the summation order differs (measured: mean error 0), and the native
                 # kernels quantize their inputs themselves
                 if power_of_two and kernels != "native":
-                    max_gate, mean_gate = POWER_OF_TWO_GATES
+                    largest_step = 2.0 ** (reference.abs().max().log2().floor().item() - 7)  # BF16's, largest outputs
+                    max_gate, mean_gate = POWER_OF_TWO_STEPS * largest_step / scale.item(), POWER_OF_TWO_MEAN_GATE
                 else:
                     max_gate, mean_gate = (0.25, 0.01) if not simulate else (1.0, 0.05)
                 ok = max_error <= max_gate and mean_error <= mean_gate and torch.equal(output, repeat)
@@ -187,7 +191,7 @@ def main() -> int:
                 report["accuracy"].append(row)
                 print(f"{kernels} kernels vs unpack: 2^k scales {power_of_two}, W4A4 {simulate}, {num_tokens:5} "
                       f"tokens: max |err| {max_error:.4f}, mean |err| {mean_error:.5f} of mean |out| (gates "
-                      f"{max_gate}, {mean_gate}); repeat identical {torch.equal(output, repeat)} -> "
+                      f"{max_gate:.4g}, {mean_gate}); repeat identical {torch.equal(output, repeat)} -> "
                       f"{'ok' if ok else 'FAIL'}", flush=True)
         del layer, fragments, natives
 

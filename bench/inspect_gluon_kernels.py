@@ -8,7 +8,7 @@ Needs the triton whose Gluon dialect serve_clef is written against (3.6, the GPU
 `pip install --target DIR triton==3.6.0` and DIR first on PYTHONPATH). Uses the ptxas and nvdisasm that triton ships.
 Compiles as the launcher does: pointers 16-byte aligned, hidden size and width multiples of 16.
 
-Usage: python3 bench/inspect_gluon_kernels.py [--sass gate_up|down --rows R [--warp-groups G]] (SASS to stdout)
+Usage: python3 bench/inspect_gluon_kernels.py [--sass gate_up|down --rows R] (SASS to stdout)
 """
 
 import argparse
@@ -35,14 +35,14 @@ POINTER_TYPES = {
 MULTIPLES_OF_16 = ("hidden", "width")
 
 
-def compile_for_hopper(kernel, constexprs: dict, num_warps: int = 4):
+def compile_for_hopper(kernel, constexprs: dict):
     names = list(kernel.arg_names)
     signature = {name: POINTER_TYPES.get(name, "constexpr" if name in constexprs else "i32") for name in names}
     aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
                if name in POINTER_TYPES or name in MULTIPLES_OF_16}
     source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
                             constexprs={(names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # one warp group, as served
 
 
 def assembler_report(compiled) -> dict:
@@ -140,27 +140,25 @@ def loop_instructions(sass_text: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", choices=("gate_up", "down"), help="print this kernel's SASS instead")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--warp-groups", type=int, default=1, help="warp groups (4 warps) per program")
+    parser.add_argument("--rows", type=int, default=64, help="the FRAGMENT_TILES row with these rows")
     args = parser.parse_args()
     kernels = {"gate_up": serve_clef.nvfp4_gate_up_fragment_kernel, "down": serve_clef.nvfp4_down_fragment_kernel}
+
+    def constexprs(tiles, name):  # as forward_fragments launches them for the real model (hidden 2048: slabs pair up)
+        common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages, "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
+        return common | ({"SLAB_PAIRS": tiles.down_slab_pairs} if name == "down" else {})
+
     if args.sass:
         tiles = next(tiles for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)
-        constexprs = {"BLOCK_R": args.rows, "STAGES": tiles.num_stages, "WARP_GROUPS": args.warp_groups,
-                      "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
-        print(sass(compile_for_hopper(kernels[args.sass], constexprs, 4 * args.warp_groups)))
+        print(sass(compile_for_hopper(kernels[args.sass], constexprs(tiles, args.sass))))
         return 0
     print(f"triton {triton.__version__}, sm_90a; registers decide programs per SM (65,536 registers, 228 KiB)")
     for most_pairs_per_expert, tiles in serve_clef.FRAGMENT_TILES:
-        # as served for the real model's hidden size and expert width
-        gate_up_groups, down_groups = serve_clef.fragment_warp_groups(tiles, 2048, 768)
-        constexprs = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages,
-                      "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
-        for name, groups in (("gate_up", gate_up_groups), ("down", down_groups)):
-            compiled = compile_for_hopper(kernels[name], constexprs | {"WARP_GROUPS": groups}, 4 * groups)
-            report = assembler_report(compiled)
+        for name in ("gate_up", "down"):
+            report = assembler_report(compile_for_hopper(kernels[name], constexprs(tiles, name)))
+            slabs = "two slabs" if name == "gate_up" or tiles.down_slab_pairs else "one slab"
             print(f"up to {most_pairs_per_expert or 'any number of'} pairs per expert, R = {tiles.rows}, {name}, "
-                  f"{groups} warp group(s): {report}")
+                  f"{slabs}: {report}")
     return 0
 
 

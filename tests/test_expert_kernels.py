@@ -218,8 +218,8 @@ class RecordedLaunches:
 
 @pytest.mark.parametrize("hidden", [192, 256, 320, 384])
 def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hidden):
-    """With many tokens per expert a down program takes four warp groups of one 64-column slab each (256 columns); a
-    hidden size that is a multiple of 64 but not of 256 must still be covered, once, with fewer groups."""
+    """With many tokens per expert a down program multiplies a pair of adjacent 64-column slabs (128 columns); a
+    hidden size with an odd number of slabs must still be covered, once, by one slab a program."""
     config = tiny_text_config()
     config.hidden_size, config.moe_intermediate_size = hidden, 64
     experts = random_packed_experts(config, has_input_scales=False)
@@ -234,15 +234,15 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
     (gate_up_grid, gate_up_constexprs), = gate_up.launches
     (down_grid, down_constexprs), = down.launches
-    # gate_up: a program per 64 columns of the width, one warp group
-    assert gate_up_grid[1] * 64 == config.moe_intermediate_size and gate_up_constexprs["WARP_GROUPS"] == 1
+    # gate_up: a program per 64 columns of the width; every program one warp group
+    assert gate_up_grid[1] * 64 == config.moe_intermediate_size
+    assert gate_up_constexprs["num_warps"] == down_constexprs["num_warps"] == 4
     assert down_grid[1] == gate_up_grid[0]  # the same routed tiles, down's slab groups first (side by side)
     # down reads exactly the slots gate_up wrote: both count a tile's pairs against the same rows and smallest rows
     assert all(down_constexprs[name] == gate_up_constexprs[name] for name in ("BLOCK_R", "SMALLEST_ROWS"))
-    groups = down_constexprs["WARP_GROUPS"]
-    assert down_grid[0] * groups * 64 == hidden  # a 64-column slab per warp group
-    assert down_constexprs["num_warps"] == 4 * groups
-    assert groups == {192: 1, 256: 4, 320: 1, 384: 2}[hidden]  # the most, up to 4, that divide
+    slab_pairs = down_constexprs["SLAB_PAIRS"]
+    assert slab_pairs == (hidden % 128 == 0)
+    assert down_grid[0] * (2 if slab_pairs else 1) * 64 == hidden
 
 
 def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
