@@ -5,8 +5,8 @@ the served requests.
 For each medium of bench_serve's media requests (image 640x480, audio 10 s, video 4 s 320x240 with sound), eight
 distinct variants (other pixels and tones) are prepared by the server's own `prepare` at several torch thread
 counts (the server caps them at PREPARATION_CPU_THREADS on a GPU); reported: the medians of decode and encode. Then
-the video's encode, at the served thread count, profiled by cProfile (the top functions by cumulative time: frames
-and soundtrack decoded, the processor's video and audio parts, the tokenizer).
+the audio's and the video's encode, at the served thread count, profiled by cProfile (the top functions by cumulative
+time: frames and soundtrack decoded, the processor's video and audio parts, the tokenizer).
 
 Usage: python3 bench/profile_prepare.py   (writes $OUT/profile_prepare.json when OUT is set)
 """
@@ -30,7 +30,7 @@ import serve_clef  # the repository root
 
 THREAD_COUNTS = (1, 2, 4, 8, 16)
 VARIANTS = range(1, 9)
-VIDEO = "video 4 s 320x240 + sound"
+AUDIO, VIDEO = "audio 10 s", "video 4 s 320x240 + sound"
 
 
 def stage_medians(loaded, name: str) -> dict[str, float]:
@@ -56,17 +56,18 @@ def main() -> int:
         results["by thread count"][threads] = row
         print(f"{threads:2d} torch threads: {row}")
     torch.set_num_threads(min(os.cpu_count(), served_threads))
-    profile = cProfile.Profile()
-    record = serve_clef.decode_media(serve_clef.validate_request(bench_serve.media_requests(9)[VIDEO])[0],
-                                     loaded.schema)
-    profile.enable()
-    for _ in range(5):
-        loaded.schema.encode_record(loaded.processor.tokenizer, record, 8192, processor=loaded.processor)
-    profile.disable()
-    report = io.StringIO()
-    pstats.Stats(profile, stream=report).sort_stats("cumulative").print_stats(30)
-    results["video encode profile, 5 calls"] = report.getvalue()
-    print(report.getvalue())
+    for name in (AUDIO, VIDEO):  # the audio's too: its Whisper features are the video soundtrack's counterpart
+        profile = cProfile.Profile()
+        record = serve_clef.decode_media(serve_clef.validate_request(bench_serve.media_requests(9)[name])[0],
+                                         loaded.schema)
+        profile.enable()
+        for _ in range(5):
+            loaded.schema.encode_record(loaded.processor.tokenizer, record, 8192, processor=loaded.processor)
+        profile.disable()
+        report = io.StringIO()
+        pstats.Stats(profile, stream=report).sort_stats("cumulative").print_stats(30)
+        results[f"{name} encode profile, 5 calls"] = report.getvalue()
+        print(f"{name}, encode profiled:\n{report.getvalue()}")
     if out := os.environ.get("OUT"):
         Path(out, "profile_prepare.json").write_text(json.dumps(results, indent=2))
     return 0
