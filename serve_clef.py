@@ -3235,13 +3235,16 @@ class PackedTextDecoder(torch.nn.Module):
         """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
         bucket and the eager batches). Inductor fuses what transformers runs as many small kernels: the RMSNorms, the
         q/k norms and rotary embedding, the residual adds. The router's softmax, top-k and renormalisation, which it
-        cannot fuse around torch.topk, become one kernel (FusedTopKRouter). The packed experts' own kernels stay
-        outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first forward, which
-        `capture_graphs` runs before capturing."""
+        cannot fuse around torch.topk, become one kernel (FusedTopKRouter), and the attention's q, k and v
+        projections, which it leaves as three, one matrix product (FusedQKVAttention). The packed experts' own
+        kernels stay outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first forward,
+        which `capture_graphs` runs before capturing."""
         for layer in self.decoder.layers:
             router = getattr(layer.mlp, "gate", None)
             if type(router).__name__ == "Qwen3OmniMoeThinkerTextTopKRouter" and router.weight.is_cuda:
                 layer.mlp.gate = FusedTopKRouter(router)  # on CUDA: on CPU the kernel would run interpreted
+            if FusedQKVAttention.fusable(layer.self_attn):
+                layer.self_attn = FusedQKVAttention(layer.self_attn)
             # Inductor keeps fused intermediates in fp32 unless told to round them where eager BF16 rounds them:
             # emulate eager, so the compiled layers compute what the checkpoint was calibrated and evaluated with
             layer.compile(dynamic=True, options={"emulate_precision_casts": True})
@@ -3305,6 +3308,66 @@ class FusedTopKRouter(torch.nn.Module):
         router = self.router
         router_logits = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
         return router_logits, *route_top_k(router_logits, router.top_k, router.norm_topk_prob)
+
+
+class FusedQKVAttention(torch.nn.Module):
+    """Stands in for transformers' Qwen3-Omni text attention (Qwen3OmniMoeThinkerTextAttention) in the compiled
+    decoder layers, with its forward signature and its maths, but its q, k and v projections as one matrix product:
+    their weights become views of one [Hq D + 2 Hkv D, H] matrix (no copy stays behind), so cuBLAS runs one launch
+    instead of three, two of them narrow (N = Hkv D = 512 at full size). Each output column is the same dot product
+    either way: on an H100 the fused product equalled the three bit for bit at 64 to 8,192 tokens and took 48 layers
+    0.95 instead of 1.40 ms at 576 tokens (docs/benchmarks.md). The engine prefills once, so there is no KV cache."""
+
+    def __init__(self, attention: torch.nn.Module):
+        super().__init__()
+        self.attention = attention  # transformers' own: its q/k norms, o_proj, config and scaling serve as they are
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        self.widths = [projection.out_features for projection in projections]  # Hq D, Hkv D, Hkv D
+        # plain attributes (the parameters below are views of them, so the model's state holds each weight once)
+        self.qkv_weight = torch.cat([projection.weight.detach() for projection in projections])  # [Hq D + 2 Hkv D, H]
+        self.qkv_bias = None
+        if attention.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([projection.bias.detach() for projection in projections])  # [Hq D + 2 Hkv D]
+        rows = self.qkv_weight.split(self.widths)
+        biases = self.qkv_bias.split(self.widths) if self.qkv_bias is not None else (None,) * 3
+        for projection, weight, bias in zip(projections, rows, biases):
+            projection.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                projection.bias = torch.nn.Parameter(bias, requires_grad=False)
+        # transformers' module of the attention: its rotary embedding, attention registry and eager attention
+        self.modeling = sys.modules[type(attention).__module__]
+
+    @staticmethod
+    def fusable(attention: torch.nn.Module) -> bool:
+        """Whether `attention` is transformers' Qwen3-Omni text attention with plain projections: one with forward
+        hooks on q, k or v (the W4A4 replay of NVFP4 attention projections rounds each one's input) or with biases on
+        some of them only keeps its own forward."""
+        if type(attention).__name__ != "Qwen3OmniMoeThinkerTextAttention":
+            return False
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        hooked = any(projection._forward_pre_hooks or projection._forward_hooks for projection in projections)
+        return not hooked and len({projection.bias is None for projection in projections}) == 1
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, cache: Any = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        # hidden_states [B, T, H] -> [B, T, H] and the attention function's weights (None for the engine's)
+        if cache is not None:
+            raise ValueError("FusedQKVAttention prefills only: it keeps no KV cache")
+        attention = self.attention
+        tokens_shape = hidden_states.shape[:-1]
+        heads_shape = (*tokens_shape, -1, attention.head_dim)
+        query, key, value = torch.nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(
+            self.widths, dim=-1)  # [B, T, Hq D], [B, T, Hkv D], [B, T, Hkv D]
+        query = attention.q_norm(query.view(heads_shape)).transpose(1, 2)  # [B, Hq, T, D]
+        key = attention.k_norm(key.view(heads_shape)).transpose(1, 2)  # [B, Hkv, T, D]
+        value = value.view(heads_shape).transpose(1, 2)  # [B, Hkv, T, D]
+        cos, sin = position_embeddings
+        query, key = self.modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        attend = self.modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
+                                                                     self.modeling.eager_attention_forward)
+        output, weights = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                                 sliding_window=attention.sliding_window, **kwargs)  # [B, T, Hq, D]
+        return attention.o_proj(output.reshape(*tokens_shape, -1).contiguous()), weights
 
 
 class HostEmbedding(torch.nn.Module):
