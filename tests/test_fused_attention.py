@@ -4,7 +4,10 @@ any length, and the attention left alone where the W4A4 replay hooks its project
 
 import pytest
 import torch
-from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe, modeling_qwen3_omni_moe
+from transformers.models.qwen3_omni_moe import (
+    configuration_qwen3_omni_moe,
+    modeling_qwen3_omni_moe,
+)
 
 import serve_clef
 
