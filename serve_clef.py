@@ -744,19 +744,22 @@ def route_top_k_outputs(router_logits: torch.Tensor, top_k: int, normalize: bool
 # pairs, the pairs of each expert; the second reads those counts back and places each block's pairs (its first
 # programs) or fills the tiles' experts and padding slots (the rest). No program reads what another program of its
 # own launch writes, and nothing is atomic: a routing gives the same bytes every time. Chunks of pairs are compared
-# as [C, E] and [C, C] masks, which fit in registers at E = 128 with 8 warps. The sizes that change with T are not
-# specialised on (as Triton would on 1 and multiples of 16), so no token count compiles anew after the warm-up.
-# Every program sums the counts of all blocks, so more blocks cost more than they spread: on an H200 chunks of 64
-# pairs routed 512 tokens in 15.7 us against 28.9 us with chunks of 32, and 8,192 tokens in 56 us against 68 us.
+# as [C, E] and [C, C] masks. The sizes that change with T are not specialised on (as Triton would on 1 and multiples
+# of 16), so no token count compiles anew after the warm-up. Every program sums the counts of all blocks, so more
+# blocks cost more than they spread: on an H200 chunks of 64 pairs routed 512 tokens in 15.7 us against 28.9 us with
+# chunks of 32, and 8,192 tokens in 56 us against 68 us. Swept on an H100 (2026-12-05, docs/benchmarks.md; every
+# setting's slots equal to the others'), 48 routings took 0.37 / 0.40 / 0.85 ms at 576 / 2,048 / 8,192 tokens with
+# chunks of 128, 128 count rows read at once and 4 warps a program, against 0.66 / 1.39 / 2.40 ms with 64, 32 and 8.
 # In the engine's packed decoder a forward runs a whole bucket, the real tokens first and padding after them. Its
 # pairs are routed nowhere (and the top-k sum writes zeros for its tokens), so the padding costs the experts
 # nothing: a padding token's hidden state is the zeros it starts from, or, in a one-record batch, whatever causal
 # attention over the record makes of it, and either way it would take tiles (a 517-token record in the 576-token
 # bucket: 17% more slot rows, 2,050 tokens in the 2,176 bucket: 18% more tiles, in simulations of random routings).
 ROUTING_MOST_BLOCKS = 128  # blocks of pairs: about one counting program per SM of an H200
-ROUTING_CHUNK = 64  # pairs compared at once
+ROUTING_CHUNK = 128  # pairs compared at once
 ROUTING_TILES = 16  # tiles per tile-filling program
-ROUTING_COUNT_ROWS = 32  # rows of block_counts read at once
+ROUTING_COUNT_ROWS = 128  # rows of block_counts read at once
+ROUTING_WARPS = 4  # a program's warps, in both launches
 
 
 @triton.jit(do_not_specialize=["num_pairs", "block_pairs"])
@@ -866,7 +869,7 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
     block_counts = expert_of_pair.new_empty(num_blocks, padded_experts, dtype=torch.int32)  # [B, E padded]
     slot_pairs = expert_of_pair.new_empty(max_tiles * block_rows, dtype=torch.int32)  # [P]
     tile_experts = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
-    common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=8)
+    common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=ROUTING_WARPS)
     count_pairs_per_expert_kernel[(num_blocks,)](
         expert_of_pair, expert_of_pair if real_tokens is None else real_tokens, routed_expert, block_counts,
         num_pairs, block_pairs, TOP_K=top_k_index.shape[1], PADDED=real_tokens is not None, **common,
