@@ -5457,7 +5457,9 @@ def main(argv: list[str] | None = None) -> int:
     # 300 small torch calls beside a Python-busy one: 5.9 ms median, up to 88 ms, at the default 5 ms; 0.8 ms at
     # 1 ms). On the H100 at 1 ms: 16 clients 38.3k -> 41.0k tokens/s, one client's p50 26.3 -> 24.1 ms.
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
-    uvicorn.run(create_app(args), host=args.host, port=args.port, http=JsonErrorsH11Protocol,
+    # uvicorn's access log off: ObserveDecisions logs each decision once, and the access line (written while the
+    # answer is sent) took 0.14 ms of each one on a CPU machine (docs/benchmarks.md)
+    uvicorn.run(create_app(args), host=args.host, port=args.port, http=JsonErrorsH11Protocol, access_log=False,
                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, timeout_graceful_shutdown=SHUTDOWN_DRAIN_S)
     return 0
 

@@ -9,6 +9,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import re
 import shutil
 import socket
 import subprocess
@@ -414,6 +415,10 @@ def test_parity_through_a_server_matches_scoring_in_process(tiny_release, tmp_pa
         [(s["record_id"], s["question_id"], s["option_ids"], s["tokens"]) for s in in_process]
     for remote, local in zip(over_http, in_process):
         assert np.allclose(remote["probabilities"], local["probabilities"], atol=1e-4 / 2 + 1e-7), (remote, local)
+    # the server's log: one line per decision (README), and no access log of uvicorn's repeating it
+    log_text = (tmp_path / "server.log").read_text()
+    assert len(re.findall(r"^request [0-9a-f]{16} 200 \d+ tokens [\d.]+ ms$", log_text, re.MULTILINE)) == len(records)
+    assert "POST /v1/systemone" not in log_text and "GET /healthz" not in log_text
 
 
 def _free_port() -> int:
