@@ -166,15 +166,11 @@ def main() -> int:
                "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
                "load_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                "cpu_threads": f"{torch.get_num_threads()} of {os.cpu_count()} CPUs"}  # load_clef caps them on a GPU
-    torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
-    first_stages = {}
-    first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length, first_stages),
-                                 text_request(tokenizer, 505, 999))
-    results["first_decision_after_load_ms"] = round(first_ms, 1)  # a new length, before any other decision
-    results["first_decision_stages_ms"] = {stage: round(seconds * 1000, 2) for stage, seconds in first_stages.items()}
-    print(f"first decision after load (505 tokens): {first_ms:.1f} ms, stages {results['first_decision_stages_ms']}")
-    # What one of the full garbage collections Python starts now and then while serving costs with everything the
-    # load made tracked, then frozen as the server freezes it once loaded (ClefService.load_in_background).
+    # What one of the full garbage collections Python starts now and then costs with everything the load made
+    # tracked, then frozen: what the server does once loaded (ClefService.load_in_background), before its first
+    # request. Unfrozen, such a collection may fall in any decision. (Measured unfrozen on an H100 on 2026-12-05, the
+    # first decision after load took 222-414 ms in three runs of one tree, where a full collection took 356-434 ms,
+    # and 26 and 113 ms in two of the tree before; the collections Python runs during it are recorded now.)
     tracked = len(gc.get_objects())
     collections_ms = []
     for freeze in (False, True):
@@ -187,6 +183,31 @@ def main() -> int:
                                              "frozen": collections_ms[1]}
     print(f"one full garbage collection over the {tracked:,} objects tracked after load: {collections_ms[0]} ms; "
           f"frozen: {collections_ms[1]} ms")
+    torch.cuda.reset_peak_memory_stats()  # from here on, the peak of serving
+    first_stages, collections = {}, []  # collections: (generation, ms) of those Python runs during the decision
+    started = {}
+
+    def record_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["at"] = time.perf_counter()
+        else:
+            collections.append((info["generation"], round((time.perf_counter() - started["at"]) * 1000, 2)))
+
+    gc.callbacks.append(record_collection)
+    try:
+        first_ms, _ = timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length, first_stages),
+                                     text_request(tokenizer, 505, 999))
+    finally:
+        gc.callbacks.remove(record_collection)
+    results["first_decision_after_load_ms"] = round(first_ms, 1)  # a new length, before any other decision
+    results["first_decision_stages_ms"] = {stage: round(seconds * 1000, 2) for stage, seconds in first_stages.items()}
+    results["first_decision_garbage_collections"] = {  # generation -> [collections, ms in all]
+        generation: [sum(1 for g, _ in collections if g == generation),
+                     round(sum(ms for g, ms in collections if g == generation), 2)]
+        for generation in sorted({g for g, _ in collections})}
+    print(f"first decision after load (505 tokens), as the server runs it (after its collection and freeze): "
+          f"{first_ms:.1f} ms, stages {results['first_decision_stages_ms']}; Python's collections during it, by "
+          f"generation (count, ms): {results['first_decision_garbage_collections']}")
 
     def scored(requests, together: bool) -> tuple[list[dict], list[list[torch.Tensor]]]:
         """Each request's answers and its raw option logits, its record scored alone or all records in one forward."""
