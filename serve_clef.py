@@ -2867,6 +2867,7 @@ def load_clef(
     clef_model = schema.ClefModel(thinker, head).eval()
     processor = load_processor(checkpoint_dir, schema)
     packed_decoder = install_packed_decoder(thinker)
+    install_rope_index_from_host(thinker, progress)
     tied_embeddings = packed_decoder.decoder.embed_tokens.weight is clef_model.output_embeddings.weight
     if device.type == "cuda" and not tied_embeddings:  # a table tied to the lm_head stays on the device
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
@@ -3431,6 +3432,163 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
                   "interp_weights": host_to_device(interp_weights, device),
                   "position_ids": host_to_device(position_ids, device),
                   "cu_seqlens": host_to_device(cu_seqlens, device), "max_seqlen": max_seqlen}
+
+
+# ---- the thinker's 3-D rotary positions, from host copies -------------------------------------------------------------
+# transformers' Qwen3-Omni `get_rope_index` walks each record's media on the host. A video heard with its soundtrack
+# takes positions by time, its frames' and its sound's interleaved, and transformers interleaves them with a Python loop
+# of tensor indexing over their tokens: on a 2-core CPU machine 5 ms of a 4 s video's forward and 69 ms of a 60 s one
+# (docs/benchmarks.md), while the device waits for the decoder's positions. rope_index_from_host walks the records as
+# transformers does, with transformers' own helpers, but interleaves by one stable sort; it serves only once it has
+# given transformers' positions bit for bit on made-up batches at load (install_rope_index_from_host).
+
+def interleaved_by_time(video_positions: torch.Tensor, audio_positions: torch.Tensor) -> list[torch.Tensor]:
+    """transformers' interleaving of a video's positions [3, V] and its soundtrack's [3, A], both sorted by time (row
+    0): column by column, the video's first at equal times, until one runs out, then the rest of the other, which it
+    keeps as a piece of its own (the next position follows that piece's largest). Here one stable sort, and the rest
+    of the other as a piece: [the interleaved columns [3, C], the rest [3, V + A - C]], or the pieces as they are
+    when one is empty."""
+    videos, sounds = video_positions.shape[1], audio_positions.shape[1]
+    if not videos or not sounds:
+        return [pieces for pieces in (video_positions, audio_positions) if pieces.shape[1]]
+    times = torch.cat([video_positions[0].float(), audio_positions[0].float()])  # [V + A]
+    order = torch.sort(times, stable=True).indices  # [V + A]: video columns first at equal times
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    last_video, last_sound = rank[videos - 1].item(), rank[-1].item()
+    interleaved = torch.cat([video_positions, audio_positions], dim=1)[:, order[:min(last_video, last_sound) + 1]]
+    rest = videos + sounds - interleaved.shape[1]  # what is left of the one that runs out last
+    return [interleaved, (audio_positions if last_video < last_sound else video_positions)[:, -rest:]]
+
+
+def rope_index_from_host(thinker: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                         video_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                         use_audio_in_video: bool = False, audio_seqlens: torch.Tensor | None = None,
+                         second_per_grids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands in for transformers' `get_rope_index` of the Qwen3-Omni thinker (`thinker`: the module it is a method
+    of), with its signature and values: (positions float [3, B, L], their offsets past each record's length [B, 1]).
+    Batches with images or videos are walked as transformers walks them, from host copies of the ids, mask and grids
+    (the sounds' lengths, which the thinker sums on the device, are read back once), the video and soundtrack
+    interleaving by interleaved_by_time; others go to transformers' own, a cumulative sum of the mask on the device."""
+    if input_ids is None or (image_grid_thw is None and video_grid_thw is None):
+        return type(thinker).get_rope_index(thinker, input_ids, image_grid_thw, video_grid_thw, attention_mask,
+                                            use_audio_in_video, audio_seqlens, second_per_grids)
+    config, merge = thinker.config, thinker.spatial_merge_size
+    image_id, video_id, audio_id = config.image_token_id, config.video_token_id, config.audio_token_id
+    vision_start_id, audio_start_id = config.vision_start_token_id, config.audio_start_token_id
+    feature_lengths = sys.modules[type(thinker).__module__]._get_feat_extract_output_lengths  # transformers' own
+    host_ids = host_values(input_ids)  # [B, L]
+    real = (torch.ones_like(host_ids, dtype=torch.bool) if attention_mask is None
+            else host_values(attention_mask) == 1)  # [B, L]
+    image_grids, video_grids, audio_lengths, seconds = (
+        None if value is None else host_values(value)
+        for value in (image_grid_thw, video_grid_thw, audio_seqlens, second_per_grids))
+
+    def running(length: int, start) -> torch.Tensor:  # [3, length]: text, markers, sound
+        return torch.arange(length).view(1, -1).expand(3, -1) + start
+
+    def vision(start, index: int, grids: torch.Tensor, seconds_per_grid) -> torch.Tensor:  # [3, t h w / merge**2]
+        times = (torch.arange(grids[index][0]) * seconds_per_grid * config.position_id_per_seconds).float()
+        return thinker.get_llm_pos_ids_for_vision(start, index, merge, times, grids[:, 1], grids[:, 2])
+
+    position_ids = torch.zeros(3, *host_ids.shape)  # [3, B, L], float as transformers makes it
+    offsets = []
+    image_index = video_index = audio_index = 0  # across the batch, as the grids are
+    for record in range(host_ids.shape[0]):
+        tokens = host_ids[record][real[record]].tolist()
+        after_vision_starts = [tokens[i + 1] for i, token in enumerate(tokens) if token == vision_start_id]
+        images, audios = after_vision_starts.count(image_id), tokens.count(audio_start_id)
+        videos = after_vision_starts.count(audio_start_id if use_audio_in_video else video_id)
+        pieces, cursor = [], 0  # positions [3, n] of the tokens walked, and the next token to walk
+        for _ in range(images + audios + (0 if use_audio_in_video else videos)):
+            start = pieces[-1].max() + 1 if pieces else 0
+            vision_start = (tokens.index(vision_start_id, cursor)
+                            if (image_id in tokens or video_id in tokens) and (videos > 0 or images > 0)
+                            else len(tokens) + 1)
+            audio_start = (tokens.index(audio_start_id, cursor) if audio_id in tokens and audios > 0
+                           else len(tokens) + 1)
+            media_start = min(vision_start, audio_start)
+            text = media_start - cursor
+            if text:
+                pieces.append(running(text, start))
+                start += text
+            markers = 2 if media_start == vision_start and vision_start + 1 == audio_start else 1
+            pieces.append(running(markers, start))
+            start += markers
+            if media_start == audio_start:  # a sound
+                sound = feature_lengths(audio_lengths[audio_index], config.audio_config.n_window)
+                pieces.append(running(sound, start))
+                cursor += int(text + markers + sound + markers)
+                audio_index, audios = audio_index + 1, audios - 1
+            elif tokens[vision_start + 1] == image_id:
+                pieces.append(vision(start, image_index, image_grids, 1))
+                cursor += int(text + markers + image_grids[image_index].prod() // merge**2 + markers)
+                image_index, images = image_index + 1, images - 1
+            elif tokens[vision_start + 1] == video_id:  # a video without its soundtrack
+                pieces.append(vision(start, video_index, video_grids, seconds[video_index].float()))
+                cursor += int(text + markers + video_grids[video_index].prod() // merge**2 + markers)
+                video_index, videos = video_index + 1, videos - 1
+            elif vision_start + 1 == audio_start:  # a video heard with its soundtrack
+                sound = feature_lengths(audio_lengths[audio_index], config.audio_config.n_window)
+                pieces += interleaved_by_time(vision(start, video_index, video_grids, seconds[video_index].float()),
+                                              running(sound, start))
+                cursor += int(text + markers + sound + video_grids[video_index].prod() // merge**2 + markers)
+                audio_index, video_index, audios, videos = audio_index + 1, video_index + 1, audios - 1, videos - 1
+            pieces.append(running(markers, pieces[-1].max() + 1))
+        if cursor < len(tokens):
+            pieces.append(running(len(tokens) - cursor, pieces[-1].max() + 1 if pieces else 0))
+        positions = torch.cat([piece.float() for piece in pieces], dim=1)  # [3, n]
+        position_ids[:, record, real[record]] = positions
+        offsets.append(positions.max() + 1 - len(tokens))
+    return (host_to_device(position_ids, input_ids.device),
+            host_to_device(torch.stack(offsets), input_ids.device).unsqueeze(1))
+
+
+def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict]:
+    """Made-up batches (get_rope_index's keyword arguments, host tensors) with every kind of media piece: text, an
+    image, a sound, a video alone, and a video with its soundtrack whose times meet the sound's (ties), in two records
+    right-padded, the second with less; the first batch's videos silent, the second's heard."""
+    image_id, video_id, audio_id = config.image_token_id, config.video_token_id, config.audio_token_id
+    vision_start, vision_end = config.vision_start_token_id, config.vision_end_token_id
+    audio_start, audio_end = config.audio_start_token_id, config.audio_end_token_id
+    text = [0] * 3
+    image = [vision_start, *[image_id] * 6, vision_end]  # grid (1, 4, 6) / 2**2
+    sound = [audio_start, *[audio_id] * 104, audio_end]  # 800 feature frames -> 104 tokens
+    silent_video = [vision_start, *[video_id] * 12, vision_end]  # grid (3, 4, 4) / 2**2
+    heard_video = [vision_start, audio_start, *[video_id] * 12, *[audio_id] * 104, audio_end, vision_end]
+    batches = []
+    for video, heard in ((silent_video, False), (heard_video, True)):
+        records = [text + image + text + sound + text + video + text, text + video]
+        length = max(len(record) for record in records)
+        batches.append({
+            "input_ids": torch.tensor([record + [0] * (length - len(record)) for record in records]),
+            "attention_mask": torch.tensor([[1] * len(record) + [0] * (length - len(record)) for record in records]),
+            "image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 4, 4], [3, 4, 4]]),
+            "audio_seqlens": torch.tensor([800, 800] if not heard else [800, 800, 800]),
+            "second_per_grids": torch.tensor([2.0, 0.5]), "use_audio_in_video": heard,
+        })
+    return batches
+
+
+def install_rope_index_from_host(thinker: torch.nn.Module, progress: Callable[[str], None]) -> None:
+    """Give each module of the thinker that computes its 3-D positions (which one varies across transformers
+    versions) rope_index_from_host, once it has given transformers' positions and offsets bit for bit on
+    rope_index_check_batches; otherwise transformers' own stays, and a progress line says why."""
+    for module in thinker.modules():
+        library = getattr(type(module), "get_rope_index", None)
+        if library is None or not hasattr(module, "get_llm_pos_ids_for_vision"):
+            continue
+        for batch in rope_index_check_batches(module.config):
+            try:
+                ours = rope_index_from_host(module, **batch)
+            except Exception as error:  # a transformers whose walk or helpers differ from the one this follows
+                progress(f"3-D positions: transformers' own (rope_index_from_host fails on a check batch: "
+                         f"{type(error).__name__}: {error})")
+                return
+            if not all(torch.equal(mine, theirs) for mine, theirs in zip(ours, library(module, **batch))):
+                progress("3-D positions: transformers' own (rope_index_from_host differs from it on a check batch)")
+                return
+        module.get_rope_index = functools.partial(rope_index_from_host, module)
 
 
 def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:

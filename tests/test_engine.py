@@ -73,6 +73,8 @@ def stock_loaded():
         for index, step in enumerate(layers):
             layers[index] = step.layer  # transformers' own layer, on the tower's own inputs
         tower._forward_pre_hooks.clear()  # the vision encoder computes its positions and boundaries itself
+    for module in loaded.model.thinker.modules():
+        module.__dict__.pop("get_rope_index", None)  # transformers' own 3-D positions
     return loaded
 
 
