@@ -3437,8 +3437,8 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
 # ---- the thinker's 3-D rotary positions, from host copies -------------------------------------------------------------
 # transformers' Qwen3-Omni `get_rope_index` walks each record's media on the host. A video heard with its soundtrack
 # takes positions by time, its frames' and its sound's interleaved, and transformers interleaves them with a Python loop
-# of tensor indexing over their tokens: on a 2-core CPU machine 5 ms of a 4 s video's forward and 69 ms of a 60 s one
-# (docs/benchmarks.md), while the device waits for the decoder's positions. rope_index_from_host walks the records as
+# of tensor indexing over their tokens: on a 2-core CPU machine 6.5 ms of a 4 s video's forward and 92 ms of a 60 s
+# one (docs/benchmarks.md), while the device waits for the decoder's positions. rope_index_from_host walks the records as
 # transformers does, with transformers' own helpers, but interleaves by one stable sort; it serves only once it has
 # given transformers' positions bit for bit on made-up batches at load (install_rope_index_from_host).
 
@@ -3564,7 +3564,7 @@ def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict
             "input_ids": torch.tensor([record + [0] * (length - len(record)) for record in records]),
             "attention_mask": torch.tensor([[1] * len(record) + [0] * (length - len(record)) for record in records]),
             "image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 4, 4], [3, 4, 4]]),
-            "audio_seqlens": torch.tensor([800, 800] if not heard else [800, 800, 800]),
+            "audio_seqlens": torch.tensor([800] * (3 if heard else 1)),  # the sound, then each heard video's
             "second_per_grids": torch.tensor([2.0, 0.5]), "use_audio_in_video": heard,
         })
     return batches
