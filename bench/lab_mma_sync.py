@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_clef  # noqa: E402
 from serve_clef import (  # noqa: E402
+    FRAGMENT_STEP_WORDS,
     DECODED_WEIGHT_DIVISOR,
     FRAGMENT_ROWS,
     FRAGMENT_ROWS_COPY_LAYOUT,
@@ -55,15 +56,71 @@ VARIANTS = ("step", "slice")
 
 
 @gluon.constexpr_function
-def mma_sync_layout(rows):
-    """The products' accumulator [64 slab rows, `rows` routed rows] on mma.sync: warp w owns slab rows 16w..16w+15."""
-    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+def mma_sync_layout(warps):
+    """The products' accumulator [16 W weight rows, R routed rows] on mma.sync: warp w owns rows 16w..16w+15 (of
+    W / 4 adjacent slabs of 64 rows)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def words_layout(warps):
+    """serve_clef.FRAGMENT_WORDS_LAYOUT on W warps: [w, rl, q, s], a thread's four words of a step in its registers."""
+    return gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def rows_copy_layout(warps):
+    """serve_clef.FRAGMENT_ROWS_COPY_LAYOUT on W warps: 16-byte copies of a tile's rows [R, 64]."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _wide_step_pointers(fragment_words_ptr, block_scales_ptr, slab, num_steps, reduced, WARPS: gl.constexpr):
+    """serve_clef._fragment_step_pointers for W warps over W / 4 adjacent slabs from `slab`: warp w reads slab
+    slab + w // 4 as that slab's warp w % 4 would (the slabs' block scale rows follow each other)."""
+    WORDS: gl.constexpr = words_layout(WARPS)
+    w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
+    rl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WORDS))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WORDS))))
+    s = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WORDS))))
+    w = gl.expand_dims(gl.expand_dims(gl.expand_dims(w, 1), 2), 3)
+    rl = gl.expand_dims(gl.expand_dims(gl.expand_dims(rl, 0), 2), 3)
+    q = gl.expand_dims(gl.expand_dims(gl.expand_dims(q, 0), 1), 3)
+    s = gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 0), 1), 2)
+    slab_words = num_steps.to(gl.int64) * FRAGMENT_STEP_WORDS
+    words_ptr = (fragment_words_ptr + slab.to(gl.int64) * slab_words + (w // 4) * slab_words
+                 + (((w % 4) * 8 + rl) * 4 + q) * 4 + s)  # [w, rl, q, s]
+    rows = gl.sum(w * 16 + rl + q * 0, axis=3)  # [w, rl, q]: row r of the slabs
+    scales_ptr = block_scales_ptr + (slab.to(gl.int64) * FRAGMENT_ROWS + rows) * (reduced // 64)
+    return words_ptr, scales_ptr, s
+
+
+@gluon.jit
+def _wide_run_tile(tile_work: gl.constexpr, args, slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+                   SMALLEST_ROWS: gl.constexpr, BY_SLICE: gl.constexpr, WARPS: gl.constexpr):
+    """serve_clef._run_tile (the fewest first slots of the tile that hold its pairs) on W warps: tile_work(*args,
+    BY_SLICE, W, BLOCK_R, N, STAGES). (Constexprs handed on inside `args` arrive as values: both branches of an `if`
+    on them are built, which the 8-warp build cannot.)"""
+    SLOTS: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    if SMALLEST_ROWS == BLOCK_R:
+        tile_work(*args, BY_SLICE, WARPS, BLOCK_R, BLOCK_R, STAGES)
+    else:
+        pairs = gl.load(slot_pairs_ptr + tile * BLOCK_R + gl.arange(0, BLOCK_R, layout=SLOTS))
+        filled = gl.sum((pairs >= 0).to(gl.int32), axis=0)
+        if filled * 2 > BLOCK_R:
+            tile_work(*args, BY_SLICE, WARPS, BLOCK_R, BLOCK_R, STAGES)
+        elif SMALLEST_ROWS == BLOCK_R // 2:
+            tile_work(*args, BY_SLICE, WARPS, BLOCK_R, BLOCK_R // 2, STAGES)
+        elif filled * 4 > BLOCK_R:
+            tile_work(*args, BY_SLICE, WARPS, BLOCK_R, BLOCK_R // 2, STAGES)
+        else:
+            tile_work(*args, BY_SLICE, WARPS, BLOCK_R, BLOCK_R // 4, STAGES)
 
 
 @gluon.jit
 def _slices_of(x):
-    """[4, 8, 4, 4] (w, rl, q, s) -> its four k16 slices [4, 8, 4], s = 0..3 (register moves only)."""
-    low, high = gl.split(gl.reshape(x, [4, 8, 4, 2, 2]))  # s = 2 i + j: j = 0 (s = 0, 2), j = 1 (s = 1, 3)
+    """[W, 8, 4, 4] (w, rl, q, s) -> its four k16 slices [W, 8, 4], s = 0..3 (register moves only)."""
+    low, high = gl.split(gl.reshape(x, [x.shape[0], 8, 4, 2, 2]))  # s = 2 i + j: j = 0 (s = 0, 2), j = 1 (1, 3)
     s0, s2 = gl.split(low)
     s1, s3 = gl.split(high)
     return s0, s1, s2, s3
@@ -71,15 +128,16 @@ def _slices_of(x):
 
 @gluon.jit
 def _decode_fragment_slice(words, scales, scales_8, DOT_A: gl.constexpr):
-    """One k16 slice of a slab: words int32 [w, rl, q] and the BF16 scales of rows r and r + 8 [w, rl, q] -> the
-    weights BF16 [64 rows, 16 columns] in DOT_A, as _decode_fragment_step decodes a whole step."""
+    """One k16 slice of a slab (or, on W = 8 warps, of two adjacent slabs): words int32 [w, rl, q] and the BF16 scales
+    of rows r and r + 8 [w, rl, q] -> the weights BF16 [16 W rows, 16 columns] in DOT_A, as _decode_fragment_step
+    decodes a whole step."""
     pair_scales = gl.join(gl.join(scales, scales), gl.join(scales_8, scales_8))  # [w, rl, q, h, e]
     pair_scales = gl.join(pair_scales, pair_scales)  # [w, rl, q, h, e, p]
     weights = gl.inline_asm_elementwise(FRAGMENT_WORD_PTX, "=r,=r,=r,=r" + ",r" * 12,
                                         [_repeat_eight(words), pair_scales], dtype=gl.bfloat16, is_pure=False,
                                         pack=8)  # [w, rl, q, h, e, p]
     weights = gl.permute(weights, (0, 4, 1, 3, 2, 5))  # [w, e, rl, h, q, p]: row, then column order
-    return gl.convert_layout(gl.reshape(weights, [FRAGMENT_ROWS, 16]), DOT_A, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(weights, [16 * words.shape[0], 16]), DOT_A, assert_trivial=True)
 
 
 @gluon.jit
@@ -130,14 +188,15 @@ def _mma_sync_paired_step(first_codes, second_codes, rows, first, second, slices
 @gluon.jit
 def _mma_sync_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices, rows_ptr,
                        rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                       PAIRED: gl.constexpr, BY_SLICE: gl.constexpr):
-    """One slab's (PAIRED: two slabs') weights times a tile's R rows -> fp32 products [64, R] each, on mma.sync. Codes
-    are loaded two steps ahead, as served; each step waits for its rows (the ring's barrier), refills the slot the
-    step before read (every warp has passed the barrier, so its reads are done), then decodes and multiplies."""
-    ACC: gl.constexpr = mma_sync_layout(BLOCK_R)
+                       PAIRED: gl.constexpr, BY_SLICE: gl.constexpr, WARPS: gl.constexpr):
+    """One slab's (PAIRED: two slabs') weights times a tile's R rows -> fp32 products [16 W, R] each, on mma.sync
+    (W = 8: two adjacent slabs' rows each, warps 4-7 the second's). Codes are loaded two steps ahead, as served; each
+    step waits for its rows (the ring's barrier), refills the slot the step before read (every warp has passed the
+    barrier, so its reads are done), then decodes and multiplies."""
+    ACC: gl.constexpr = mma_sync_layout(WARPS)
     ring = _start_fragment_ring(rows_ptr, rows_mask, BLOCK_R, STAGES)
-    first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACC)  # [64 slab rows, R slots]
-    second = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACC)
+    first = gl.zeros([16 * WARPS, BLOCK_R], gl.float32, ACC)  # [16 W weight rows, R slots]
+    second = gl.zeros([16 * WARPS, BLOCK_R], gl.float32, ACC)
     first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0)
     first_next = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     second_codes = first_codes
@@ -166,31 +225,34 @@ def _mma_sync_products(first_words_ptr, first_scales_ptr, second_words_ptr, seco
 
 @gluon.jit
 def _mma_sync_gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
-                           intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row,
-                           BY_SLICE: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr,
-                           STAGES: gl.constexpr):
-    """serve_clef._gate_up_tile with its products on mma.sync."""
-    ACC: gl.constexpr = mma_sync_layout(BLOCK_R)
-    ROWS_COPY: gl.constexpr = FRAGMENT_ROWS_COPY_LAYOUT
+                           intermediate_ptr, expert, tile, column_group, hidden, width, pairs_per_row,
+                           BY_SLICE: gl.constexpr, WARPS: gl.constexpr, TILE_ROWS: gl.constexpr,
+                           BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """serve_clef._gate_up_tile with its products on mma.sync, on W / 4 adjacent slab columns (gate and up) that
+    share the tile's ring of activation rows."""
+    ACC: gl.constexpr = mma_sync_layout(WARPS)
+    ROWS_COPY: gl.constexpr = rows_copy_layout(WARPS)
     num_steps = hidden // FRAGMENT_STEP
+    slab_column = column_group * (WARPS // 4)
     gate_slab = expert * (2 * width // FRAGMENT_ROWS) + slab_column
-    gate_words_ptr, gate_scales_ptr, slices = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden)
-    up_words_ptr, up_scales_ptr, _ = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden)
+    gate_words_ptr, gate_scales_ptr, slices = _wide_step_pointers(
+        fragment_words_ptr, block_scales_ptr, gate_slab, num_steps, hidden, WARPS)
+    up_words_ptr, up_scales_ptr, _ = _wide_step_pointers(
+        fragment_words_ptr, block_scales_ptr, gate_slab + width // FRAGMENT_ROWS, num_steps, hidden, WARPS)
     copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
     pairs = gl.load(slot_pairs_ptr + tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY)))
     tokens = gl.where(pairs >= 0, pairs // pairs_per_row, 0).to(gl.int64)
     rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
     rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
     gate, up = _mma_sync_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices, rows_ptr,
-                                  rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True, BY_SLICE)
+                                  rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES, True, BY_SLICE,
+                                  WARPS)
     gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     gate, up = gate.to(gl.float32), up.to(gl.float32)
     activated = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
     intermediate = (activated * up).to(gl.bfloat16)
-    columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACC))
+    columns = slab_column * FRAGMENT_ROWS + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, ACC))
     slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACC))
     gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
 
@@ -200,14 +262,16 @@ def lab_gate_up_mma_sync_kernel(
     hidden_states_ptr, slot_pairs_ptr, tile_experts_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
     intermediate_ptr, num_experts, hidden, width, pairs_per_row,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr, SMALLEST_ROWS: gl.constexpr, BY_SLICE: gl.constexpr,
+    WARPS: gl.constexpr,  # 4: one slab column a program (the served grid); 8: two adjacent ones sharing the rows
 ):
-    """serve_clef.nvfp4_gate_up_fragment_kernel, its products on mma.sync (same arguments and grid)."""
-    tile, slab_column = gl.program_id(0), gl.program_id(1)
+    """serve_clef.nvfp4_gate_up_fragment_kernel, its products on mma.sync (same arguments; grid (tiles, I / 16 W))."""
+    tile, column_group = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
-                intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row, BY_SLICE)
-        _run_tile(_mma_sync_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
+                intermediate_ptr, expert, tile, column_group, hidden, width, pairs_per_row)
+        _wide_run_tile(_mma_sync_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS, BY_SLICE,
+                       WARPS)
 
 
 @gluon.jit
@@ -216,13 +280,13 @@ def _mma_sync_down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, f
                         BY_SLICE: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr,
                         STAGES: gl.constexpr):
     """serve_clef._down_tile (one output slab) with its products on mma.sync."""
-    ACC: gl.constexpr = mma_sync_layout(BLOCK_R)
+    ACC: gl.constexpr = mma_sync_layout(4)
     num_steps = width // FRAGMENT_STEP
     words_ptr, scales_ptr, slices = _fragment_step_pointers(
         fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
     rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
     out, _ = _mma_sync_products(words_ptr, scales_ptr, words_ptr, scales_ptr, slices, rows_ptr, None, num_steps,
-                                width, BLOCK_R, STAGES, False, BY_SLICE)
+                                width, BLOCK_R, STAGES, False, BY_SLICE, 4)
     pairs = gl.load(slot_pairs_ptr + tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACC)))
     out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
     columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACC))
@@ -249,9 +313,9 @@ def lab_down_mma_sync_kernel(
 
 def lab_forward(layer, hidden_states, top_k_index, top_k_weights, gate_up: str | None, down: str | None,
                 table: tuple = serve_clef.FRAGMENT_TILES):
-    """PackedNVFP4Experts.forward_fragments (W4A16) with gate_up and/or down on mma.sync (`step` or `slice`; None:
-    the served kernel) and tiles from `table`. Down on mma.sync runs one output slab a program, also where the table
-    pairs them."""
+    """PackedNVFP4Experts.forward_fragments (W4A16) with gate_up and/or down on mma.sync (`step`, `slice`, or for
+    gate_up `slice8`: by slice on 8 warps, two slab columns a program; None: the served kernel) and tiles from
+    `table`. Down on mma.sync runs one output slab a program, also where the table pairs them."""
     num_tokens, top_k = top_k_index.shape
     tiles = serve_clef.expert_tiles(top_k_index.numel(), layer.num_experts, table)
     pair_outputs = hidden_states.new_empty(num_tokens * top_k, layer.hidden)  # [S, H]
@@ -264,11 +328,13 @@ def lab_forward(layer, hidden_states, top_k_index, top_k_weights, gate_up: str |
     gate_up_args = (gate_up_input.contiguous(), slot_pairs, tile_experts, layer.gate_up_fragment_words,
                     layer.gate_up_fragment_scales.view(torch.int32), layer.gate_up_global_scale, intermediate,
                     layer.num_experts, layer.hidden, layer.width, pairs_per_row)
-    grid = (num_tiles, layer.width // FRAGMENT_ROWS.value)
     if gate_up is None:
-        serve_clef.nvfp4_gate_up_fragment_kernel[grid](*gate_up_args, **common)
+        serve_clef.nvfp4_gate_up_fragment_kernel[(num_tiles, layer.width // FRAGMENT_ROWS.value)](
+            *gate_up_args, **common)
     else:
-        lab_gate_up_mma_sync_kernel[grid](*gate_up_args, BY_SLICE=gate_up == "slice", **common)
+        warps = 8 if gate_up == "slice8" else 4
+        lab_gate_up_mma_sync_kernel[(num_tiles, layer.width // (16 * warps))](
+            *gate_up_args, BY_SLICE=gate_up != "step", WARPS=warps, **{**common, "num_warps": warps})
     down_args = (intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1), layer.down_fragment_words,
                  layer.down_fragment_scales.view(torch.int32), layer.down_global_scale, pair_outputs,
                  layer.num_experts, layer.hidden, layer.width)
@@ -294,23 +360,42 @@ SETTINGS = {  # name: (gate_up, down, tile table)
     "both mma.sync by slice": ("slice", "slice", serve_clef.FRAGMENT_TILES),
     "both by slice, R = 32 to 128 pairs": ("slice", "slice", ROWS_OF_32_TO_128),
     "served, R = 32 to 128 pairs": (None, None, ROWS_OF_32_TO_128),
+    "gate_up by slice on 8 warps (2 columns)": ("slice8", None, serve_clef.FRAGMENT_TILES),
+    "gate_up by slice on 8 warps, R = 32 to 128": ("slice8", None, ROWS_OF_32_TO_128),
 }
 
 
 def registers() -> int:
     """Compile the lab kernels for sm_90a offline and print registers, spills and programs an SM per tile row."""
     import inspect_gluon_kernels as inspect  # bench/: the compiler and ptxas report the served kernels get
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def compiled(kernel, constexprs: dict, warps: int):  # inspect.compile_for_hopper on `warps` warps
+        names = list(kernel.arg_names)
+        signature = {name: inspect.POINTER_TYPES.get(name, "constexpr" if name in constexprs else "i32")
+                     for name in names}
+        aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
+                   if name in inspect.POINTER_TYPES or name in inspect.MULTIPLES_OF_16}
+        source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                                constexprs={(names.index(name),): value for name, value in constexprs.items()})
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+    builds = [("gate_up", lab_gate_up_mma_sync_kernel, variant, 4) for variant in VARIANTS]
+    builds += [("gate_up", lab_gate_up_mma_sync_kernel, "slice", 8)]
+    builds += [("down", lab_down_mma_sync_kernel, variant, 4) for variant in VARIANTS]
     for rows, stages, smallest in ((32, 3, 16), (64, 4, 16), (128, 3, 32)):
-        for name, kernel in (("gate_up", lab_gate_up_mma_sync_kernel), ("down", lab_down_mma_sync_kernel)):
-            for variant in VARIANTS:
-                compiled = inspect.compile_for_hopper(kernel, {"BLOCK_R": rows, "STAGES": stages,
-                                                               "SMALLEST_ROWS": smallest,
-                                                               "BY_SLICE": variant == "slice"})
-                loop = inspect.loops(inspect.sass(compiled))[-1]  # the smallest rows' loop (_run_tile's last)
-                counts = {opcode: sum(instruction.startswith(opcode) for instruction in loop)
-                          for opcode in ("HMMA", "HGMMA", "LDSM", "BAR")}
-                print(f"R = {rows:3} {name:7} {variant:5}: {inspect.assembler_report(compiled)}, last loop {counts}",
-                      flush=True)
+        for name, kernel, variant, warps in builds:
+            constexprs = {"BLOCK_R": rows, "STAGES": stages, "SMALLEST_ROWS": smallest, "BY_SLICE": variant == "slice"}
+            if name == "gate_up":
+                constexprs["WARPS"] = warps
+            build = compiled(kernel, constexprs, warps)
+            loop = inspect.loops(inspect.sass(build))[-1]  # the smallest rows' loop (the tile runner's last)
+            counts = {opcode: sum(instruction.startswith(opcode) for instruction in loop)
+                      for opcode in ("HMMA", "HGMMA", "LDSM", "BAR")}
+            print(f"R = {rows:3} {name:7} {variant:5} {warps} warps: {inspect.assembler_report(build)}, last loop "
+                  f"{counts}", flush=True)
     return 0
 
 
