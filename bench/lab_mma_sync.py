@@ -36,7 +36,6 @@ from serve_clef import (  # noqa: E402
     FRAGMENT_STEP_WORDS,
     DECODED_WEIGHT_DIVISOR,
     FRAGMENT_ROWS,
-    FRAGMENT_ROWS_COPY_LAYOUT,
     FRAGMENT_STEP,
     FRAGMENT_WORD_PTX,
     _decode_fragment_step,
