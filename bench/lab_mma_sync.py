@@ -39,7 +39,6 @@ from serve_clef import (  # noqa: E402
     FRAGMENT_STEP,
     FRAGMENT_WORD_PTX,
     _decode_fragment_step,
-    _down_tile_rows,
     _fragment_scales,
     _fragment_step_pointers,
     _load_fragment_step,
@@ -275,20 +274,25 @@ def lab_gate_up_mma_sync_kernel(
 
 @gluon.jit
 def _mma_sync_down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-                        global_scale_ptr, pair_outputs_ptr, expert, tile, slab, hidden, width,
-                        BY_SLICE: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr,
+                        global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width,
+                        BY_SLICE: gl.constexpr, WARPS: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr,
                         STAGES: gl.constexpr):
-    """serve_clef._down_tile (one output slab) with its products on mma.sync."""
-    ACC: gl.constexpr = mma_sync_layout(4)
+    """serve_clef._down_tile with its products on mma.sync, on W / 4 adjacent output slabs that share the tile's
+    ring of intermediate rows."""
+    ACC: gl.constexpr = mma_sync_layout(WARPS)
+    ROWS_COPY: gl.constexpr = rows_copy_layout(WARPS)
     num_steps = width // FRAGMENT_STEP
-    words_ptr, scales_ptr, slices = _fragment_step_pointers(
-        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
-    rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
+    slab = slab_group * (WARPS // 4)
+    words_ptr, scales_ptr, slices = _wide_step_pointers(
+        fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width, WARPS)
+    copy_columns = gl.arange(0, FRAGMENT_STEP, layout=gl.SliceLayout(0, ROWS_COPY))
+    copy_slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROWS_COPY))
+    rows_ptr = intermediate_ptr + copy_slots.to(gl.int64)[:, None] * width + copy_columns[None, :]  # [R, 64]
     out, _ = _mma_sync_products(words_ptr, scales_ptr, words_ptr, scales_ptr, slices, rows_ptr, None, num_steps,
-                                width, BLOCK_R, STAGES, False, BY_SLICE, 4)
+                                width, BLOCK_R, STAGES, False, BY_SLICE, WARPS)
     pairs = gl.load(slot_pairs_ptr + tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACC)))
     out = (out * (gl.load(global_scale_ptr + expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16).to(gl.float32)
-    columns = slab * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACC))
+    columns = slab * FRAGMENT_ROWS + gl.arange(0, 16 * WARPS, layout=gl.SliceLayout(1, ACC))
     pair_rows = gl.where(pairs >= 0, pairs, 0).to(gl.int64)
     out = (out * gl.load(routing_weights_ptr + pair_rows).to(gl.float32)[None, :]).to(gl.bfloat16)
     mask = gl.broadcast((pairs >= 0)[None, :], columns[:, None] >= 0)
@@ -300,21 +304,23 @@ def lab_down_mma_sync_kernel(
     intermediate_ptr, slot_pairs_ptr, tile_experts_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
     global_scale_ptr, pair_outputs_ptr, num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr, SMALLEST_ROWS: gl.constexpr, BY_SLICE: gl.constexpr,
+    WARPS: gl.constexpr,  # 4: one output slab a program; 8: two adjacent ones sharing the rows
 ):
-    """serve_clef.nvfp4_down_fragment_kernel without slab pairs, its products on mma.sync (same grid)."""
-    slab, tile = gl.program_id(0), gl.program_id(1)
+    """serve_clef.nvfp4_down_fragment_kernel, its products on mma.sync (grid (H / 16 W, tiles))."""
+    slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-                global_scale_ptr, pair_outputs_ptr, expert, tile, slab, hidden, width, BY_SLICE)
-        _run_tile(_mma_sync_down_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
+                global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
+        _wide_run_tile(_mma_sync_down_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS, BY_SLICE,
+                       WARPS)
 
 
 def lab_forward(layer, hidden_states, top_k_index, top_k_weights, gate_up: str | None, down: str | None,
                 table: tuple = serve_clef.FRAGMENT_TILES):
-    """PackedNVFP4Experts.forward_fragments (W4A16) with gate_up and/or down on mma.sync (`step`, `slice`, or for
-    gate_up `slice8`: by slice on 8 warps, two slab columns a program; None: the served kernel) and tiles from
-    `table`. Down on mma.sync runs one output slab a program, also where the table pairs them."""
+    """PackedNVFP4Experts.forward_fragments (W4A16) with gate_up and/or down on mma.sync (`step`, `slice`, or
+    `slice8`: by slice on 8 warps, two slab columns a program; None: the served kernel) and tiles from `table`. Down
+    on mma.sync runs one output slab a program (two with `slice8`), also where the table pairs them."""
     num_tokens, top_k = top_k_index.shape
     tiles = serve_clef.expert_tiles(top_k_index.numel(), layer.num_experts, table)
     pair_outputs = hidden_states.new_empty(num_tokens * top_k, layer.hidden)  # [S, H]
@@ -342,8 +348,9 @@ def lab_forward(layer, hidden_states, top_k_index, top_k_weights, gate_up: str |
         serve_clef.nvfp4_down_fragment_kernel[(layer.hidden // (FRAGMENT_ROWS.value * (2 if slab_pairs else 1)),
                                                num_tiles)](*down_args, SLAB_PAIRS=slab_pairs, **common)
     else:
-        lab_down_mma_sync_kernel[(layer.hidden // FRAGMENT_ROWS.value, num_tiles)](
-            *down_args, BY_SLICE=down == "slice", **common)
+        warps = 8 if down == "slice8" else 4
+        lab_down_mma_sync_kernel[(layer.hidden // (16 * warps), num_tiles)](
+            *down_args, BY_SLICE=down != "step", WARPS=warps, **{**common, "num_warps": warps})
     return serve_clef.sum_top_k(pair_outputs, top_k, None)
 
 
@@ -361,6 +368,8 @@ SETTINGS = {  # name: (gate_up, down, tile table)
     "served, R = 32 to 128 pairs": (None, None, ROWS_OF_32_TO_128),
     "gate_up by slice on 8 warps (2 columns)": ("slice8", None, serve_clef.FRAGMENT_TILES),
     "gate_up by slice on 8 warps, R = 32 to 128": ("slice8", None, ROWS_OF_32_TO_128),
+    "down by slice on 8 warps (2 slabs)": (None, "slice8", serve_clef.FRAGMENT_TILES),
+    "both by slice on 8 warps": ("slice8", "slice8", serve_clef.FRAGMENT_TILES),
 }
 
 
@@ -384,11 +393,11 @@ def registers() -> int:
     builds = [("gate_up", lab_gate_up_mma_sync_kernel, variant, 4) for variant in VARIANTS]
     builds += [("gate_up", lab_gate_up_mma_sync_kernel, "slice", 8)]
     builds += [("down", lab_down_mma_sync_kernel, variant, 4) for variant in VARIANTS]
+    builds += [("down", lab_down_mma_sync_kernel, "slice", 8)]
     for rows, stages, smallest in ((32, 3, 16), (64, 4, 16), (128, 3, 32)):
         for name, kernel, variant, warps in builds:
-            constexprs = {"BLOCK_R": rows, "STAGES": stages, "SMALLEST_ROWS": smallest, "BY_SLICE": variant == "slice"}
-            if name == "gate_up":
-                constexprs["WARPS"] = warps
+            constexprs = {"BLOCK_R": rows, "STAGES": stages, "SMALLEST_ROWS": smallest, "BY_SLICE": variant == "slice",
+                          "WARPS": warps}
             build = compiled(kernel, constexprs, warps)
             loop = inspect.loops(inspect.sass(build))[-1]  # the smallest rows' loop (the tile runner's last)
             counts = {opcode: sum(instruction.startswith(opcode) for instruction in loop)
