@@ -16,6 +16,10 @@ Per setting: forwards (`score_records`, the server's) timed to their end, in tur
 host-device synchronisations of one forward counted by torch's sync debug mode; logits compared bit for bit between
 the two settings (the maths are the same).
 
+3. While the model is loaded: how much of a decoder graph's replay lies between its kernels. The graphs of a record
+   alone at 576 tokens and of several records at 8,192, each replayed alone: its time between CUDA events (median of
+   20) against the summed time of its kernels (torch.profiler), and their count.
+
 Usage (GPU, the wheels the server needs installed): python3 bench/lab_media_forward_gpu.py
 """
 
@@ -135,6 +139,33 @@ def compare(loaded, name: str, records: list, setting) -> bool:
     return equal
 
 
+def graph_gaps(loaded) -> None:
+    """The decoder's graph replays against their kernels' summed time (part 3 of the docstring)."""
+    decoder = next(module for module in loaded.model.modules() if isinstance(module, serve_clef.PackedTextDecoder))
+    for key in ((576, True), (8192, False)):
+        graph = decoder.graphs.get(key)
+        if graph is None:
+            print(f"no graph for {key}")
+            continue
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(event.device_time for event in kernels) / 1000
+        replay = statistics.median(times)
+        print(f"decoder graph {key[0]} tokens ({'one record' if key[1] else 'several'}): replay {replay:.2f} ms, "
+              f"its {len(kernels)} kernels busy {busy:.2f} ms, {replay - busy:.2f} ms between them "
+              f"({(replay - busy) / max(1, len(kernels)) * 1000:.2f} us a kernel)", flush=True)
+
+
 def main() -> int:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
     loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
@@ -158,6 +189,7 @@ def main() -> int:
         compare(loaded, "image 640x480, waits after the tower", images, no_waits_after_the_tower),
         compare(loaded, "4 s video + sound, waits after the tower", videos, no_waits_after_the_tower),
     ]
+    graph_gaps(loaded)
     return 0 if all(results) else 1
 
 
