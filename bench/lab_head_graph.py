@@ -90,8 +90,10 @@ def main() -> int:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                 call()
                 torch.cuda.synchronize()
-            kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
-            busy_ms = sum(event.device_time for event in kernels) / 1000
+            # as bench/profile_forward.py counts them: the device's events and their own time
+            kernels = [event for event in profile.key_averages()
+                       if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total]
+            busy_ms = sum(event.self_device_time_total for event in kernels) / 1000
             # the same call from a graph: its index made once, before the capture (a graph replays fixed inputs)
             host_index = serve_clef.joint_head_index(encoded, length)
             device_index = host_index.to(torch.device("cuda"))
@@ -118,11 +120,11 @@ def main() -> int:
                 serve_clef.joint_head_index, serve_clef.JointHeadIndex.to = saved
         failures += not equal
         row = {"records": records, "tokens": int(attention_mask.sum()), "eager_device_ms": eager_ms,
-               "eager_host_ms": statistics.median(host), "kernels": len(kernels), "kernel_busy_ms": busy_ms,
+               "eager_host_ms": statistics.median(host), "kernels": sum(event.count for event in kernels), "kernel_busy_ms": busy_ms,
                "graph_device_ms": graph_ms, "graph_equal": equal, "graph_error": graph_error}
         report["rows"].append(row)
         print(f"{records:2} records ({row['tokens']} tokens): op by op {eager_ms:.3f} ms on the device, "
-              f"{row['eager_host_ms']:.2f} ms of host to queue, {len(kernels)} kernels busy {busy_ms:.3f} ms; "
+              f"{row['eager_host_ms']:.2f} ms of host to queue, {sum(event.count for event in kernels)} kernels busy {busy_ms:.3f} ms; "
               + (f"graph {graph_ms:.3f} ms, bit-equal {equal}" if graph_error is None else f"graph: {graph_error}"),
               flush=True)
     if out_dir := os.environ.get("OUT"):
