@@ -340,9 +340,9 @@ def lab_forward(layer, hidden_states, top_k_index, top_k_weights, gate_up: str |
         warps = 8 if gate_up == "slice8" else 4
         lab_gate_up_mma_sync_kernel[(num_tiles, layer.width // (16 * warps))](
             *gate_up_args, BY_SLICE=gate_up != "step", WARPS=warps, **{**common, "num_warps": warps})
-    down_args = (intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1), layer.down_fragment_words,
-                 layer.down_fragment_scales.view(torch.int32), layer.down_global_scale, pair_outputs,
-                 layer.num_experts, layer.hidden, layer.width)
+    down_args = (intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
+                 layer.down_fragment_words, layer.down_fragment_scales.view(torch.int32), layer.down_global_scale,
+                 pair_outputs, layer.num_experts, layer.hidden, layer.width)
     if down is None:
         slab_pairs = tiles.down_slab_pairs and (layer.hidden // FRAGMENT_ROWS.value) % 2 == 0
         serve_clef.nvfp4_down_fragment_kernel[(layer.hidden // (FRAGMENT_ROWS.value * (2 if slab_pairs else 1)),
