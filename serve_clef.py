@@ -3064,10 +3064,14 @@ def batch_to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+# Triton compiles a kernel anew for each alignment of its pointers (16 bytes or less) and each row count it has not
+# seen. The joint head's row ids are a view into its packed index (JointHeadIndex.to), 16-byte aligned or not as the
+# request's spans fall: the load's warm-up compiled one variant, and the first request with the other paid ~220 ms for
+# the second (an H100, 2026-12-05, docs/benchmarks.md). One variant serves every alignment and count.
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr"])
 def gather_host_rows_kernel(
     table_ptr,  # [V, D]: in pinned host memory, which CUDA maps into the device's address space
-    row_ids_ptr,  # int64 [N]: on the device
+    row_ids_ptr,  # int64 [N]: on the device, 8-byte aligned
     rows_ptr,  # [N, D]: out, on the device
     num_rows, width, BLOCK_D: tl.constexpr,
 ):
