@@ -1050,13 +1050,15 @@ FRAGMENT_SCALES_PTX = gl.constexpr(
 # down kernel then ran four warp groups a program, one output slab each, which beat one or two warp groups of one or
 # two slabs by 3-15% (8,192 tokens: 1.821 against 1.881-2.123 ms). On an H100 (2026-12-05) one warp group on a pair of
 # slabs whose products go in turn beat those four by 3-7% from 4,096 to 16,384 tokens and lost 5% at 512 tokens, so
-# only the rows of 128 take pairs; since then every gluon program is one warp group. Where one row gives way to the next
-# between those counts is a judgement. `columns` and `reduced` are the fixed slab and step.
+# only the rows of 128 take pairs; since then every gluon program is one warp group. Rows of 32 give way to 64 past 28
+# pairs per expert: one layer on an H100 (2026-12-05) took 10-11% less with them at 12-20 pairs (192-320 tokens;
+# 256: 0.186 against 0.208 ms), 5% and 3% less at 24 and 28 and 6% more at 32 (512 tokens), the same at 8. Where the
+# other rows give way is a judgement between the counts timed. `columns` and `reduced` are the fixed slab and step.
 # smallest_rows: a tile at most half or a quarter full multiplies only its first R/2 or R/4 slots (R/4 from R = 64
 # on). One layer, the same run and GPU (2026-12-05): 4-7% faster from 64 to 6,144 tokens (512: 0.244 against 0.258
 # ms), 3.6% slower at 8,192 (1.907 against 1.840 ms), so rows past 384 pairs per expert multiply whole tiles.
 FRAGMENT_TILES = (
-    (8, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=16)),
+    (28, ExpertTiles(32, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=16)),
     (128, ExpertTiles(64, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 4, smallest_rows=16)),
     (384, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, smallest_rows=32, down_slab_pairs=True)),
     (None, ExpertTiles(128, FRAGMENT_ROWS.value, FRAGMENT_STEP.value, 4, 3, down_slab_pairs=True)),
