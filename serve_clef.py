@@ -2870,6 +2870,7 @@ def load_clef(
     processor = load_processor(checkpoint_dir, schema)
     packed_decoder = install_packed_decoder(thinker)
     install_rope_index_from_host(thinker, progress)
+    install_placeholder_masks_checked_on_host(thinker)
     tied_embeddings = packed_decoder.decoder.embed_tokens.weight is clef_model.output_embeddings.weight
     if device.type == "cuda" and not tied_embeddings:  # a table tied to the lm_head stays on the device
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
@@ -3053,14 +3054,22 @@ def host_values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu() if host_copy is None else host_copy
 
 
+# The images' and videos' grids [N, 3] (patches in time, height and width) stay on the host: everything that reads them
+# reads them there (the vision encoder's pre-hook, vision_inputs_from_host_grids; the thinker's split of the vision
+# features by image, a `.tolist()`; its 3-D positions, rope_index_from_host), and a read of device grids right after
+# the vision tower is queued waits for the tower to run.
+HOST_GRIDS = frozenset(("image_grid_thw", "video_grid_thw"))
+
+
 def batch_to_device(value: Any, device: torch.device) -> Any:
     """A batch the decision module collated on the host (dicts and lists of tensors and other values) with every
-    tensor copied to `device` without waiting (host_to_device). Collated straight onto the device, each of its
-    tensors, the media's among them, is a copy from pageable memory that holds the host until it is done."""
+    tensor copied to `device` without waiting (host_to_device), but the grids (HOST_GRIDS). Collated straight onto the
+    device, each of its tensors, the media's among them, is a copy from pageable memory that holds the host until it
+    is done."""
     if isinstance(value, torch.Tensor):
         return host_to_device(value, device) if value.device.type == "cpu" else value
     if type(value) is dict:
-        return {key: batch_to_device(item, device) for key, item in value.items()}
+        return {key: item if key in HOST_GRIDS else batch_to_device(item, device) for key, item in value.items()}
     if type(value) in (list, tuple):
         return type(value)(batch_to_device(item, device) for item in value)
     return value
@@ -3427,13 +3436,13 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
     grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: N images or videos, t/h/w patches
     if "cu_seqlens" in kwargs:  # the caller computed them already
         return args, kwargs
-    host_grid = host_values(grid_thw)  # [N, 3]
+    host_grid = host_values(grid_thw)  # [N, 3] (the engine's batches keep them on the host: HOST_GRIDS)
     interp_indices, interp_weights = vision_utils.get_vision_interpolation_indices_and_weights(
         host_grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
     position_ids = vision_utils.get_vision_position_ids(host_grid, tower.spatial_merge_size)
     cu_seqlens, max_seqlen = vision_utils.get_vision_attention_seqlens(host_grid, tower.config)
-    device = grid_thw.device
+    device = (args[0] if args else kwargs["hidden_states"]).device  # the pixels
     return args, {**kwargs, "interp_indices": host_to_device(interp_indices, device),
                   "interp_weights": host_to_device(interp_weights, device),
                   "position_ids": host_to_device(position_ids, device),
@@ -3595,6 +3604,38 @@ def install_rope_index_from_host(thinker: torch.nn.Module, progress: Callable[[s
                 progress("3-D positions: transformers' own (rope_index_from_host differs from it on a check batch)")
                 return
         module.get_rope_index = functools.partial(rope_index_from_host, module)
+
+
+def placeholder_masks_checked_on_host(thinker: torch.nn.Module, input_ids: torch.Tensor | None,
+                                      inputs_embeds: torch.Tensor, image_features: torch.Tensor | None = None,
+                                      video_features: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Stands in for transformers' `get_placeholder_mask` of the Qwen3-Omni thinker (`thinker`: the module it is a
+    method of): the image, video and audio tokens' masks bool [B, L, 1], made on the device as transformers makes
+    them, and its check that the image and video tokens are as many as their features, made on the host copy of the
+    ids. transformers sums the mask on the device and reads the sum, which right after the vision tower is queued
+    waits for the tower to run (with the grids on the host, HOST_GRIDS, an image's forward then waits for nothing
+    until its decoder: 34.8 -> 33.4 ms on an H100, docs/benchmarks.md). Without ids, transformers' own."""
+    if input_ids is None:
+        return type(thinker).get_placeholder_mask(thinker, input_ids, inputs_embeds, image_features, video_features)
+    config, host_ids = thinker.config, host_values(input_ids)
+    for kind, token_id, features in (("Image", config.image_token_id, image_features),
+                                     ("Video", config.video_token_id, video_features)):
+        tokens = int((host_ids == token_id).sum())
+        if features is not None and tokens * inputs_embeds.shape[-1] != features.numel():
+            raise ValueError(f"{kind} features and {kind.lower()} tokens do not match, tokens: {tokens}, features: "
+                             f"{features.shape[0]}")
+    return tuple((input_ids == token_id).unsqueeze(-1).to(inputs_embeds.device)
+                 for token_id in (config.image_token_id, config.video_token_id, config.audio_token_id))
+
+
+def install_placeholder_masks_checked_on_host(thinker: torch.nn.Module) -> None:
+    """Give each module of the thinker that makes its placeholder masks (which one varies across transformers
+    versions) placeholder_masks_checked_on_host, where transformers' method takes the arguments it was written for."""
+    for module in thinker.modules():
+        library = getattr(type(module), "get_placeholder_mask", None)
+        if library is not None and list(inspect.signature(library).parameters) == [
+                "self", "input_ids", "inputs_embeds", "image_features", "video_features"]:
+            module.get_placeholder_mask = functools.partial(placeholder_masks_checked_on_host, module)
 
 
 def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:

@@ -75,6 +75,7 @@ def stock_loaded():
         tower._forward_pre_hooks.clear()  # the vision encoder computes its positions and boundaries itself
     for module in loaded.model.thinker.modules():
         module.__dict__.pop("get_rope_index", None)  # transformers' own 3-D positions
+        module.__dict__.pop("get_placeholder_mask", None)  # and placeholder masks
     return loaded
 
 
@@ -177,8 +178,9 @@ def test_logits_to_host_keeps_each_record_s_questions_in_order():
 
 def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_requests):
     """The decision module's collation, made on the host and then moved, holds the same keys and records, and every
-    tensor (the media's among them) is moved, with its host copy kept for host reads. Moved to the meta device, so
-    that a tensor left behind on the host shows (a move to the CPU would hand back the same tensors)."""
+    tensor (the media's among them) is moved, with its host copy kept for host reads, but the grids, which stay on the
+    host. Moved to the meta device, so that a tensor left behind on the host shows (a move to the CPU would hand back
+    the same tensors)."""
     encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in mixed_requests]
     batch = loaded.schema.collate_records(encoded, loaded.processor.tokenizer.pad_token_id, "cpu")
     moved = serve_clef.batch_to_device(batch, torch.device("meta"))
@@ -187,11 +189,13 @@ def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_re
     assert batch["media"].keys() == moved["media"].keys() and "pixel_values_videos" in batch["media"]
     tensors = [(batch[key], moved[key]) for key in ("input_ids", "attention_mask")]
     for key, value in batch["media"].items():
-        if isinstance(value, torch.Tensor):
+        if key in ("image_grid_thw", "video_grid_thw"):
+            assert moved["media"][key] is value  # read on the host by all that read them
+        elif isinstance(value, torch.Tensor):
             tensors.append((value, moved["media"][key]))
         else:
             assert moved["media"][key] == value
-    assert len(tensors) > 4  # the media's tensors are among them
+    assert len(tensors) > 4 and "image_grid_thw" in batch["media"]  # the media's tensors are among them
     for host, on_device in tensors:
         assert on_device.device.type == "meta" and on_device.shape == host.shape and on_device.dtype == host.dtype
         assert serve_clef.host_values(on_device) is host
@@ -391,6 +395,35 @@ def test_the_vision_encoder_takes_its_positions_from_host_grids(loaded, png_byte
             assert given == [False] * 3
         assert torch.equal(hooked.pooler_output, own.pooler_output)
         assert all(torch.equal(a, b) for a, b in zip(hooked.deepstack_features, own.deepstack_features, strict=True))
+
+
+def test_placeholder_masks_are_transformers_own_with_the_count_checked_on_the_host(loaded, png_bytes,
+                                                                                  mp4_with_audio_bytes):
+    """placeholder_masks_checked_on_host against transformers' get_placeholder_mask on a batch with an image, a
+    video and its soundtrack: the same three masks, and features of another count refused as transformers refuses
+    them (ValueError)."""
+    requests = [{**REQUESTS[0], "images": [data_url("image/png", png_bytes)]},
+                {**REQUESTS[0], "videos": [data_url("video/mp4", mp4_with_audio_bytes)]}]
+    encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in requests]
+    batch = loaded.schema.collate_records(encoded, loaded.processor.tokenizer.pad_token_id, "cpu")
+    module = next(module for module in loaded.model.thinker.modules() if "get_placeholder_mask" in module.__dict__)
+    input_ids = batch["input_ids"]
+    hidden = loaded.model.thinker.config.text_config.hidden_size
+    inputs_embeds = torch.zeros(*input_ids.shape, hidden)
+    image_tokens = int((input_ids == module.config.image_token_id).sum())
+    video_tokens = int((input_ids == module.config.video_token_id).sum())
+    assert image_tokens and video_tokens
+    for image_features, video_features in ((torch.zeros(image_tokens, hidden), torch.zeros(video_tokens, hidden)),
+                                           (None, None)):
+        ours = module.get_placeholder_mask(input_ids, inputs_embeds, image_features, video_features)
+        theirs = type(module).get_placeholder_mask(module, input_ids, inputs_embeds, image_features, video_features)
+        assert len(ours) == len(theirs) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    for wrong in ({"image_features": torch.zeros(image_tokens + 1, hidden)},
+                  {"video_features": torch.zeros(video_tokens - 1, hidden)}):
+        with pytest.raises(ValueError):
+            type(module).get_placeholder_mask(module, input_ids, inputs_embeds, **wrong)
+        with pytest.raises(ValueError, match="do not match"):
+            module.get_placeholder_mask(input_ids, inputs_embeds, **wrong)
 
 
 def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
