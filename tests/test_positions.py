@@ -9,7 +9,9 @@ import random
 
 import pytest
 import torch
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    _get_feat_extract_output_lengths,
+)
 
 import serve_clef
 
@@ -75,7 +77,7 @@ def test_positions_of_real_media_records_are_transformers_own(loaded, thinker_mo
         "text only": base,
     }
     encoded = {name: serve_clef.prepare(loaded, request, 4096).encoded for name, request in requests.items()}
-    for name, record in encoded.items():
+    for record in encoded.values():
         assert_equal(*both(thinker_model, **batch_arguments(loaded, [record])))
     # batches: right-padded records of other lengths, the grids and sounds of all of them in order
     heard_batch = [encoded["video with its soundtrack"], encoded["text only"],
