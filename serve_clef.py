@@ -3449,13 +3449,15 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
                   "cu_seqlens": host_to_device(cu_seqlens, device), "max_seqlen": max_seqlen}
 
 
-# ---- the thinker's 3-D rotary positions, from host copies ------------------------------------------------------------
+# ---- the thinker's 3-D positions and placeholder masks, from host copies ---------------------------------------------
 # transformers' Qwen3-Omni `get_rope_index` walks each record's media on the host. A video heard with its soundtrack
 # takes positions by time, its frames' and its sound's interleaved, and transformers interleaves them with a Python
 # loop of tensor indexing over their tokens: on a 2-core CPU machine 6.5 ms of a 4 s video's forward and 92 ms of a
 # 60 s one (docs/benchmarks.md), while the device waits for the decoder's positions. rope_index_from_host walks the
 # records as transformers does, with transformers' own helpers, but interleaves by one stable sort; it serves only
 # once it has given transformers' positions bit for bit on made-up batches at load (install_rope_index_from_host).
+# Its placeholder masks come with a count checked on the device; placeholder_masks_checked_on_host checks it on the
+# host.
 
 def interleaved_by_time(video_positions: torch.Tensor, audio_positions: torch.Tensor) -> list[torch.Tensor]:
     """transformers' interleaving of a video's positions [3, V] and its soundtrack's [3, A], both sorted by time (row
