@@ -169,9 +169,9 @@ def main() -> int:
                "cpu_threads": f"{torch.get_num_threads()} of {os.cpu_count()} CPUs"}  # load_clef caps them on a GPU
     # What one of the full garbage collections Python starts now and then costs with everything the load made
     # tracked, then frozen: what the server does once loaded (ClefService.load_in_background), before its first
-    # request. Unfrozen, such a collection may fall in any decision. (Measured unfrozen on an H100 on 2026-12-05, the
-    # first decision after load took 222-414 ms in three runs of one tree, where a full collection took 356-434 ms,
-    # and 26 and 113 ms in two of the tree before; the collections Python runs during it are recorded now.)
+    # request. Unfrozen, such a collection may fall in any decision. The first decision below runs after the same
+    # collection and freeze, and records the collections Python runs during it (on 2026-12-05 its ~240 ms turned out
+    # to be a Triton compile, not a collection: docs/benchmarks.md).
     tracked = len(gc.get_objects())
     collections_ms = []
     for freeze in (False, True):
