@@ -2876,12 +2876,14 @@ def load_clef(
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
     if device.type == "cuda":
         torch.set_num_threads(min(torch.get_num_threads(), PREPARATION_CPU_THREADS))
-        warm_up_engine(clef_model, schema, processor, packed_decoder, progress)
+    # before the warm-up, which captures the batched head's graphs (its check runs the decoder op by op)
     install_batched_head(clef_model, schema, processor, progress)
     if device.type == "cuda" and not tied_embeddings and isinstance(clef_model.head, BatchedJointSchemaHead):
         # the batched head looks up just its option tokens' rows (the decision module's head indexes the table on
         # the device), so the output embeddings can live on the host too
         clef_model.output_embeddings = HostEmbedding(clef_model.output_embeddings)
+    if device.type == "cuda":
+        warm_up_engine(clef_model, schema, processor, packed_decoder, progress)
     loaded = LoadedClef(clef_model, processor, schema, kind, expert_kernels, model, checkpoint_dir, 0.0, notice)
     if device.type == "cuda":
         # The warm-ups above ran the decision module's path and the check batch; the server's own walk (the batch
@@ -3076,7 +3078,7 @@ def batch_to_device(value: Any, device: torch.device) -> Any:
 
 
 # Triton compiles a kernel anew for each alignment of its pointers (16 bytes or less) and each row count it has not
-# seen. The joint head's row ids are a view into its packed index (JointHeadIndex.to), 16-byte aligned or not as the
+# seen. The joint head's row ids are a view into its packed index (HeadIndex.to), 16-byte aligned or not as the
 # request's spans fall: the load's warm-up compiled one variant, and the first request with the other paid ~220 ms for
 # the second (an H100, 2026-12-05, docs/benchmarks.md). One variant serves every alignment and count.
 @triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr"])
@@ -3135,6 +3137,7 @@ class PackedTextDecoder(torch.nn.Module):
         self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
         self.deepstack_tokens = 0  # the static deepstack features are zero past this many tokens
         self.tower_graphs = []  # the vision and audio towers' TowerGraphs, captured in the same pool as the decoder
+        self.packed_output = None  # (data_ptr, shape) of the last [B, L, H] returned, and its packed rows [T, H]
 
     def __getattr__(self, name: str):
         try:
@@ -3198,13 +3201,26 @@ class PackedTextDecoder(torch.nn.Module):
             graph = self.graphs.get((bucket, batch == 1)) or self.graphs.get((bucket, False))
             if graph is not None:
                 graph.replay()
-            else:
-                static_hidden = self.run_padded(static_embeds, static_positions, static_chunks, static_deepstack,
-                                                static_real_tokens)
+            else:  # into the static buffer too, where the joint head's graphs read a bucket's rows
+                static_hidden.copy_(self.run_padded(static_embeds, static_positions, static_chunks, static_deepstack,
+                                                    static_real_tokens))
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
         hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
+        # the packed rows, padding included, for the batched joint head (packed_rows_behind)
+        self.packed_output = (hidden_states.data_ptr(), hidden_states.shape,
+                              packed_hidden if bucket is None else static_hidden[0])
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
+
+    def packed_rows_behind(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The packed rows [T, H] of this decoder's last forward (its records' tokens in order, then the bucket's
+        padding; a view of the static buffer for a bucketed batch) if hidden_states [B, L, H] is what it returned, else
+        None. Handed out once, so that an unbucketed batch's rows are not held after it."""
+        if self.packed_output is None:
+            return None
+        data_ptr, shape, rows = self.packed_output
+        self.packed_output = None
+        return rows if hidden_states.data_ptr() == data_ptr and hidden_states.shape == shape else None
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], the attention's
@@ -3269,19 +3285,15 @@ class PackedTextDecoder(torch.nn.Module):
             layer.compile(dynamic=True, options={"emulate_precision_casts": True})
 
     @torch.inference_mode()
-    def capture_graphs(self, like: torch.Tensor, progress: Callable[[str], None]) -> None:
-        """Capture two graphs per bucket, for batches of several records and of one, largest first, all in one memory
-        pool (they never run at the same time). Needs `position_rows`, known after one decision has gone through the
-        decoder (load's warm-up)."""
+    def capture_graphs(self, like: torch.Tensor, pool: tuple, side_stream: torch.cuda.Stream,
+                       progress: Callable[[str], None]) -> None:
+        """Capture two graphs per bucket, for batches of several records and of one, largest first, and the towers'
+        layers, all in `pool` (they never run at the same time), each after a first run on `side_stream`. Needs
+        `position_rows`, known after one decision has gone through the decoder (load's warm-up)."""
         if self.position_rows is None:
             progress("the thinker passed the text decoder no rotary positions: it stays eager (no CUDA graphs)")
             return
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        # One stream for every bucket's first run: torch keeps a cuBLAS workspace (32 MiB on Hopper) for each stream
-        # a matmul has run on, for the life of the process, and a new stream per bucket (up to 32 distinct ones,
-        # torch's stream pool) would keep one each.
-        side_stream = torch.cuda.Stream()
         cudnn_attention = True  # until it fails to run here
         for bucket in sorted(self.buckets, reverse=True):
             *static_inputs, static_hidden = self.static_views(bucket, like)
@@ -3797,7 +3809,8 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
     takes flash or memory-efficient attention, which need none); a text and a media decision through the decision
     module (the GPU's libraries set up, seconds, and the towers' static buffers made); the packed-expert kernels
     compiled for every tile configuration; the text decoder's layers compiled and its graphs, and the towers', captured
-    (PackedTextDecoder.capture_graphs)."""
+    (PackedTextDecoder.capture_graphs), then the batched joint head's (BatchedJointSchemaHead.capture_graphs), all in
+    one memory pool."""
     packed_layers = [module for module in clef_model.modules() if isinstance(module, PackedNVFP4Experts)]
     torch.backends.cuda.enable_cudnn_sdp(False)
     progress("warming up: one decision" + (" and compiling the packed-expert kernels" if packed_layers else ""))
@@ -3808,12 +3821,23 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
         packed_layer.compile_kernels()
     progress("compiling the text decoder's layers (torch.compile) and capturing its CUDA graphs")
     packed_decoder.compile_layers()
-    packed_decoder.capture_graphs(like=clef_model.output_embeddings.weight, progress=progress)
+    pool = torch.cuda.graph_pool_handle()
+    # One stream for every graph's first run: torch keeps a cuBLAS workspace (32 MiB on Hopper) for each stream a
+    # matmul has run on, for the life of the process, and a new stream per bucket (up to 32 distinct ones, torch's
+    # stream pool) would keep one each.
+    side_stream = torch.cuda.Stream()
+    packed_decoder.capture_graphs(packed_decoder.decoder.norm.weight, pool, side_stream, progress)  # like: [H]
+    if packed_decoder.graphs and isinstance(clef_model.head, BatchedJointSchemaHead):
+        start = time.perf_counter()
+        captured = clef_model.head.capture_graphs(clef_model.output_embeddings.weight, pool, side_stream)
+        progress(f"joint head captured in {captured} CUDA graphs ({len(HEAD_GRAPH_SLOTS)} index sizes per decoder "
+                 f"length) in {time.perf_counter() - start:.1f} s")
 
 
-# Dimension letters: B records, L padded length, H thinker hidden, W head width, Q questions and N options of the whole
-# batch, Qb questions and Nb options of the record that has most, K options of the question that has most, Ts tokens
-# of all question and option spans, To tokens of all option spans.
+# Dimension letters: T packed tokens (the batch's records' real tokens, record after record, then the decoder bucket's
+# padding), H thinker hidden, W head width, and the slots of a head index (HeadSlots): R records, Q questions, N
+# options, S span tokens, O option tokens. Questions are numbered 0..Q-1 and options 0..N-1 across the batch, record
+# after record, question after question; the slots past the batch's own are padding.
 
 # A batched head serves only once its logits on the load's check batch are the release head's to within this fraction
 # of their largest magnitude (at least 1). BF16 carries 8 significant bits (0.4% per rounding) and the batch changes
@@ -3833,33 +3857,52 @@ HEAD_CHECK_REQUEST = {
 }
 
 
-class JointHeadIndex(NamedTuple):
-    """Where a batch's questions, options and span tokens lie, for BatchedJointSchemaHead: int64 tensors built on the
-    host from the records (`joint_head_index`) and copied to the device in one piece (`to`).
+class HeadSlots(NamedTuple):
+    """How many records, questions, options, question and option span tokens, and option tokens a head index holds."""
 
-    Questions are numbered 0..Q-1 and options 0..N-1 across the batch, record after record, question after question.
-    Token rows index the hidden states flattened to [B*L, H]. The padded layouts fill their padding slots with Q or N:
-    one past the last question or option, where the head appends a padding row."""
+    records: int  # R
+    questions: int  # Q
+    options: int  # N
+    span_tokens: int  # S
+    option_tokens: int  # O
 
-    span_token_rows: torch.Tensor  # [Ts] the tokens of every question span, then of every option span, span by span
-    span_offsets: torch.Tensor  # [Q + N] where each span starts in span_token_rows: question q, then option n at Q + n
-    option_token_ids: torch.Tensor  # [To] the token ids of every option span, span by span
-    option_offsets: torch.Tensor  # [N] where each option's span starts in option_token_ids
-    last_token_rows: torch.Tensor  # [B] each record's last real token (the end of "DECISIONS:")
-    question_records: torch.Tensor  # [Q] the record of each question
-    question_types: torch.Tensor  # [Q] rows of the head's type_embedding
-    option_questions: torch.Tensor  # [N] the question of each option
-    record_options: torch.Tensor  # [B, Nb] each record's options, then N
-    option_slots: torch.Tensor  # [N] each option's row in record_options flattened
-    question_options: torch.Tensor  # [Q, K] each question's options, then N
-    record_questions: torch.Tensor  # [B, Qb] each record's questions, then Q
-    question_slots: torch.Tensor  # [Q] each question's row in record_questions flattened
+    def holds(self, needed: "HeadSlots") -> bool:
+        return all(slots >= count for slots, count in zip(self, needed, strict=True))
 
-    def to(self, device: torch.device) -> "JointHeadIndex":
+
+# The joint head replays from CUDA graphs captured at load, one per decoder bucket and per row of this table; a batch
+# takes the first row that holds it and runs op by op past the last. Op by op the head costs the host 3.6-5.0 ms a
+# forward (~320 launches) on an H100's host for 0.7-2.4 ms of GPU work (docs/benchmarks.md). One ~500-token request
+# of bench_serve's three questions fills (1, 3, 11, 189, 156) slots, sixteen of them (16, 48, 176, 3,024, 2,496),
+# 32 (32, 96, 352, 6,048, 4,992); a request of 64 choices of 8 options each (1, 64, 512, 17,078, 16,896).
+HEAD_GRAPH_SLOTS = (HeadSlots(MAX_RECORDS_PER_FORWARD, 16, 64, 1024, 1024),
+                    HeadSlots(MAX_RECORDS_PER_FORWARD, 64, 256, 4096, 4096),
+                    HeadSlots(MAX_RECORDS_PER_FORWARD, 256, 1024, 16384, 16384))
+
+
+class HeadIndex(NamedTuple):
+    """Where a batch's records, questions, options and span tokens lie, for BatchedJointSchemaHead: int64 tensors
+    built on the host from the records (`head_index`), padded to its HeadSlots, and copied to the device in one piece.
+    Rows are rows of the packed tokens [T]; padding question and option slots hold -1 as their record and question."""
+
+    record_ends: torch.Tensor  # [R] where each record's tokens end (padding slots: where the last record's end)
+    last_token_rows: torch.Tensor  # [R] each record's last token (the end of "DECISIONS:"); padding 0
+    span_token_rows: torch.Tensor  # [S] the tokens of every question span, then of every option span; padding 0
+    span_offsets: torch.Tensor  # [Q + N + 1] where each span starts in span_token_rows: the Q question slots, the N
+    # option slots (padding slots empty), then one more span that takes the padding tokens
+    option_token_ids: torch.Tensor  # [O] the token ids of every option span, span by span; padding 0
+    option_offsets: torch.Tensor  # [N + 1] where each option's span starts in option_token_ids; the last: padding
+    question_records: torch.Tensor  # [Q] the record of each question; padding -1
+    question_types: torch.Tensor  # [Q] rows of the head's type_embedding; padding 0
+    option_questions: torch.Tensor  # [N] the question of each option; padding -1
+
+    def to(self, device: torch.device) -> "HeadIndex":
         """The same index on `device`, in one copy (host_to_device)."""
-        packed = host_to_device(torch.cat([part.flatten() for part in self]), device)
-        parts = packed.split([part.numel() for part in self])
-        return JointHeadIndex(*(part.view(like.shape) for part, like in zip(parts, self)))
+        return self.unflattened(host_to_device(torch.cat([part.flatten() for part in self]), device))
+
+    def unflattened(self, flat: torch.Tensor) -> "HeadIndex":
+        """The index of these slots as views into `flat`, the parts laid end to end (int64)."""
+        return HeadIndex(*flat[:sum(part.numel() for part in self)].split([part.numel() for part in self]))
 
 
 def expand_spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -3868,49 +3911,65 @@ def expand_spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, n
     return np.repeat(starts - offsets, lengths) + np.arange(lengths.sum()), offsets
 
 
-def padded_groups(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Members numbered group after group (counts[g] of them in group g), laid out padded: [G, max count] each group's
-    members, then sum(counts) in the padding; and [sum(counts)] each member's row in that layout flattened."""
-    total, widest = int(counts.sum()), int(counts.max())
-    firsts = np.cumsum(counts) - counts  # [G]
-    columns = np.arange(widest)
-    layout = np.where(columns < counts[:, None], firsts[:, None] + columns, total)  # [G, widest]
-    rows = np.repeat(np.arange(len(counts)) * widest - firsts, counts) + np.arange(total)  # [total]
-    return layout, rows
+def head_slots_needed(records: list) -> HeadSlots:
+    """The HeadSlots that records (EncodedRecord-like) fill exactly."""
+    questions = [question for record in records for question in record.questions]
+    spans = [question.question_span for question in questions] + [span for question in questions
+                                                                   for span in question.option_spans]
+    option_spans = spans[len(questions):]
+    return HeadSlots(len(records), len(questions), len(option_spans), sum(end - start for start, end in spans),
+                     sum(end - start for start, end in option_spans))
 
 
-def joint_head_index(records: list, length: int) -> JointHeadIndex:
-    """The JointHeadIndex of records (EncodedRecord-like) batched right-padded to `length` tokens, from their spans
-    and lengths alone: nothing is read from the device."""
-    questions = [(b, question) for b, record in enumerate(records) for question in record.questions]
-    question_spans = np.array([question.question_span for _, question in questions]).reshape(-1, 2)  # [Q, 2]
-    question_spans += np.array([b * length for b, _ in questions])[:, None]
-    option_spans = np.array([span for _, question in questions for span in question.option_spans]).reshape(-1, 2)
-    options_per_question = np.array([len(question.option_spans) for _, question in questions])  # [Q]
-    option_spans += np.repeat(np.array([b * length for b, _ in questions]), options_per_question)[:, None]  # [N, 2]
-    spans = np.concatenate([question_spans, option_spans])  # [Q + N, 2], rows of [B*L]
+def head_index(records: list, slots: HeadSlots) -> HeadIndex:
+    """The HeadIndex of records (EncodedRecord-like) packed record after record, padded to `slots` (which must hold
+    them), from their spans and lengths alone: nothing is read from the device."""
+    needed = head_slots_needed(records)
+    lengths = np.array([len(record.input_ids) for record in records], dtype=np.int64)  # [B]
+    ends = np.cumsum(lengths)  # [B]
+    record_of_question = np.array([b for b, record in enumerate(records) for _ in record.questions], dtype=np.int64)
+    question_spans = np.array([question.question_span for record in records for question in record.questions],
+                              dtype=np.int64).reshape(-1, 2) + (ends - lengths)[record_of_question][:, None]  # [Q, 2]
+    options_per_question = np.array([len(question.option_spans) for record in records
+                                     for question in record.questions], dtype=np.int64)
+    option_spans = np.array([span for record in records for question in record.questions
+                             for span in question.option_spans], dtype=np.int64).reshape(-1, 2)
+    option_spans += np.repeat((ends - lengths)[record_of_question], options_per_question)[:, None]  # [N, 2]
+    spans = np.concatenate([question_spans, option_spans])  # [Q + N, 2], rows of the packed tokens
+    span_rows, span_starts = expand_spans(spans[:, 0], spans[:, 1] - spans[:, 0])
     option_lengths = option_spans[:, 1] - option_spans[:, 0]  # [N]
-    questions_per_record = np.array([len(record.questions) for record in records])  # [B]
-    options_per_record = np.array([sum(len(q.option_spans) for q in record.questions) for record in records])  # [B]
-    record_options, option_slots = padded_groups(options_per_record)
-    question_options, _ = padded_groups(options_per_question)
-    record_questions, question_slots = padded_groups(questions_per_record)
+    question_tokens = int(span_starts[needed.questions]) if needed.options else needed.span_tokens
+
+    def padded(values: Any, size: int, fill: int) -> np.ndarray:
+        row = np.full(size, fill, dtype=np.int64)
+        row[:len(values)] = values
+        return row
+
+    span_offsets = np.concatenate([padded(span_starts[:needed.questions], slots.questions, question_tokens),
+                                   padded(span_starts[needed.questions:], slots.options, needed.span_tokens),
+                                   [needed.span_tokens]])
     parts = (
-        *expand_spans(spans[:, 0], spans[:, 1] - spans[:, 0]),
-        np.concatenate([record.input_ids[start:end] for record in records for question in record.questions
-                        for start, end in question.option_spans]),
-        np.cumsum(option_lengths) - option_lengths,
-        np.arange(len(records)) * length + np.array([len(record.input_ids) for record in records]) - 1,
-        np.repeat(np.arange(len(records)), questions_per_record),
-        np.array([question.question_type for _, question in questions]),
-        np.repeat(np.arange(len(questions)), options_per_question),
-        record_options, option_slots, question_options, record_questions, question_slots,
+        padded(ends, slots.records, ends[-1] if len(ends) else 0),
+        padded(ends - 1, slots.records, 0),
+        padded(span_rows, slots.span_tokens, 0),
+        span_offsets,
+        padded(np.concatenate([np.asarray(record.input_ids[start:end], dtype=np.int64) for record in records
+                               for question in record.questions for start, end in question.option_spans]
+                              or [np.zeros(0, dtype=np.int64)]), slots.option_tokens, 0),
+        padded(np.cumsum(option_lengths) - option_lengths, slots.options + 1, needed.option_tokens),
+        padded(record_of_question, slots.questions, -1),
+        padded([question.question_type for record in records for question in record.questions], slots.questions, 0),
+        padded(np.repeat(np.arange(needed.questions), options_per_question), slots.options, -1),
     )
-    return JointHeadIndex(*(torch.from_numpy(np.asarray(part, dtype=np.int64)) for part in parts))
+    return HeadIndex(*(torch.from_numpy(part) for part in parts))
 
 
-def with_padding_row(rows: torch.Tensor) -> torch.Tensor:  # [R, D] -> [R + 1, D], the last row zeros
-    return torch.nn.functional.pad(rows, (0, 0, 0, 1))
+def blocked_attention(query_owners: torch.Tensor, key_owners: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive attention mask [Nq, Nk] (0 or -inf) that keeps each query to the keys of its own owner (a record):
+    query_owners [Nq] (padding slots -1: they see every key, so that no row is all -inf, which would give NaN where
+    softmax has nothing to weigh) and key_owners [Nk]."""
+    blocked = (query_owners[:, None] != key_owners[None, :]) & (query_owners[:, None] >= 0)  # [Nq, Nk]
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(blocked, -math.inf)
 
 
 def capped_logit_scale(parameter: torch.Tensor) -> torch.Tensor:
@@ -3919,21 +3978,31 @@ def capped_logit_scale(parameter: torch.Tensor) -> torch.Tensor:
 
 def span_means(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Means of spans laid end to end in rows [T, D] (each starting at its offset, [S]) -> [S, D] in rows' dtype,
-    summed in fp32 as `.mean(0)` of a BF16 span is (and without atomic additions, whose order varies between runs)."""
+    summed in fp32 as `.mean(0)` of a BF16 span is (and without atomic additions, whose order varies between runs);
+    an empty span's mean is zeros."""
     positions = torch.arange(rows.shape[0], device=rows.device)  # [T]
     return torch.nn.functional.embedding_bag(positions, rows.float(), offsets, mode="mean").to(rows.dtype)
 
 
 class BatchedJointSchemaHead(torch.nn.Module):
     """Stands in for the decision module's JointSchemaHead, with its forward signature and its maths, computed for all
-    records, questions and options of a batch together (see the comment above). It reads the wrapped head's own
-    modules and parameters (no copies), calling its LayerNorms, Linears, nn.MultiheadAttention and
-    nn.TransformerDecoderLayer with padding masks: each record's options attend only to its own tokens, its fields to
-    its own tokens and fields. For inference: the head's dropouts are called and are identity in eval mode."""
+    records, questions and options of a batch together (see the comment above), on the records' tokens packed as the
+    text decoder packs them. It reads the wrapped head's own modules and parameters (no copies), calling its
+    LayerNorms, Linears, nn.MultiheadAttention and nn.TransformerDecoderLayer with attention masks: each record's
+    options attend only to its own tokens, its fields to its own tokens and fields. For inference: the head's dropouts
+    are called and are identity in eval mode.
 
-    def __init__(self, head: torch.nn.Module):
+    With a PackedTextDecoder (`decoder`), the head reads the packed rows the decoder wrote, and once `capture_graphs`
+    has run it replays a CUDA graph per decoder bucket and HEAD_GRAPH_SLOTS row, on a static index; otherwise it runs
+    op by op, on index slots of the same rows (so CPU tests check the padding the graphs replay)."""
+
+    def __init__(self, head: torch.nn.Module, decoder: "PackedTextDecoder | None" = None):
         super().__init__()
         self.head = head
+        self.decoder = decoder
+        self.graphs = {}  # (decoder bucket, HeadSlots) -> its CUDAGraph
+        self.static_index = None  # int64 [the largest HEAD_GRAPH_SLOTS row's index, flattened]
+        self.static_logits = None  # [N of the largest row]
 
     def forward(
         self, hidden_states: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, records: list,
@@ -3941,73 +4010,126 @@ class BatchedJointSchemaHead(torch.nn.Module):
     ) -> list[list[torch.Tensor]]:
         # hidden_states [B, L, H] (the thinker's, after its final norm), input_ids and attention_mask [B, L]
         # (right-padded), output_embedding_weight [V, H] -> per record, per question, its option logits [n].
-        # input_ids is taken for the release head's signature: the option tokens' ids come from the records.
-        head = self.head
-        batch, length, _ = hidden_states.shape
-        host_index = joint_head_index(records, length)
-        index = host_index.to(hidden_states.device)
-        questions, options = index.question_types.shape[0], index.option_questions.shape[0]
-
-        normalized = head.hidden_norm(hidden_states).flatten(0, 1)  # [B*L, H]
-        memory = head.memory_projection(normalized).view(batch, length, -1)  # [B, L, W]
-        memory_padding = attention_mask == 0  # [B, L]
-        last_tokens = normalized[index.last_token_rows]  # [B, H]
-        question_vectors, contexts = span_means(normalized[index.span_token_rows], index.span_offsets).split(
-            [questions, options])  # [Q, H], [N, H]
-        # the output embeddings may be on the host (install_batched_head): gather there, copy just the rows
-        if output_embedding_weight.device == hidden_states.device:
-            option_rows = output_embedding_weight[index.option_token_ids]  # [To, H]
+        # input_ids and attention_mask are taken for the release head's signature: the records give the ids and
+        # lengths.
+        packed = None if self.decoder is None else self.decoder.packed_rows_behind(hidden_states)  # [T, H]
+        if packed is None:  # not the packed decoder's output: pack the real tokens here
+            padded_length = hidden_states.shape[1]
+            real_rows = np.concatenate([np.arange(b * padded_length, b * padded_length + len(record.input_ids))
+                                        for b, record in enumerate(records)])
+            packed = hidden_states.flatten(0, 1)[host_to_device(torch.from_numpy(real_rows), hidden_states.device)]
+        needed = head_slots_needed(records)
+        slots = next((slots for slots in HEAD_GRAPH_SLOTS if slots.holds(needed)), needed)
+        host_index = head_index(records, slots)
+        graph = self.graphs.get((packed.shape[0], slots))
+        if graph is not None:
+            flat = torch.cat([part.flatten() for part in host_index]).pin_memory()
+            self.static_index[:flat.numel()].copy_(flat, non_blocking=True)
+            graph.replay()
+            # a copy: the next replay rewrites the static logits, and a caller may hold these past it
+            logits = self.static_logits[:needed.options].clone()  # [N]
         else:
-            option_rows = host_rows_to_device(output_embedding_weight, index.option_token_ids if
-                                              hidden_states.is_cuda else host_index.option_token_ids,
-                                              hidden_states.device)  # [To, H]
-        lexicals = span_means(option_rows, index.option_offsets)  # [N, H]
+            logits = self.option_logits(packed, host_index.to(packed.device), output_embedding_weight,
+                                        host_index.option_token_ids)  # [N]
+        per_question = iter(logits[:needed.options].split(
+            [len(question.option_spans) for record in records for question in record.questions]))
+        return [[next(per_question) for _ in record.questions] for record in records]
+
+    def option_logits(self, packed: torch.Tensor, index: HeadIndex, output_embedding_weight: torch.Tensor,
+                      host_option_token_ids: torch.Tensor) -> torch.Tensor:
+        """packed [T, H]: the records' final hidden states, packed (then padding rows, owned by no record) -> the
+        logits of the index's option slots [N]. A fixed sequence of launches for given T and slots: a graph's."""
+        head = self.head
+        questions, options = index.question_records.shape[0], index.option_questions.shape[0]  # Q, N
+        normalized = head.hidden_norm(packed)  # [T, H]
+        memory = head.memory_projection(normalized)[None]  # [1, T, W]
+        token_positions = torch.arange(packed.shape[0], device=packed.device)  # [T]
+        token_records = torch.searchsorted(index.record_ends, token_positions, right=True)  # [T]; padding: R
+        last_tokens = normalized[index.last_token_rows]  # [R, H]
+        span_vectors = span_means(normalized[index.span_token_rows], index.span_offsets)  # [Q + N + 1, H]
+        question_vectors, contexts = span_vectors[:questions], span_vectors[questions:questions + options]
+        # the output embeddings may be on the host (HostEmbedding): gather there, copy just the rows
+        if output_embedding_weight.device == packed.device:
+            option_rows = output_embedding_weight[index.option_token_ids]  # [O, H]
+        else:
+            option_rows = host_rows_to_device(output_embedding_weight, index.option_token_ids if packed.is_cuda
+                                              else host_option_token_ids, packed.device)  # [O, H]
+        lexicals = span_means(option_rows, index.option_offsets)[:options]  # [N, H]
+        option_questions = index.option_questions.clamp(min=0)  # [N]: padding slots read question 0
+        question_records = index.question_records.clamp(min=0)  # [Q]: padding slots read record 0
+        option_records = torch.where(index.option_questions >= 0, question_records[option_questions], -1)  # [N]
 
         queries = (head.option_context_projection(contexts) + head.option_lexical_projection(lexicals)
-                   + head.option_question_projection(question_vectors)[index.option_questions])  # [N, W]
-        routed = with_padding_row(queries)[index.record_options]  # [B, Nb, W]
+                   + head.option_question_projection(question_vectors)[option_questions])  # [N, W]
+        routed = queries[None]  # [1, N, W]
+        evidence_mask = blocked_attention(option_records, token_records, memory.dtype)  # [N, T]
         for layer in head.evidence_layers:
             normed_memory = layer.memory_norm(memory)
             attended = layer.attention(layer.query_norm(routed), normed_memory, normed_memory,
-                                       key_padding_mask=memory_padding, need_weights=False)[0]
+                                       attn_mask=evidence_mask, need_weights=False)[0]
             routed = routed + layer.attention_dropout(attended)
             routed = routed + layer.feedforward(layer.feedforward_norm(routed))
-        routed = routed.flatten(0, 1)[index.option_slots]  # [N, W]
+        routed = routed[0]  # [N, W]
 
         # each question's summary of its routed options, weighted by a softmax over its own options
         base = head.question_projection(question_vectors)  # [Q, W]
-        by_question = with_padding_row(routed)[index.question_options]  # [Q, K, W]
-        scores = (by_question @ base[:, :, None]).squeeze(-1) / math.sqrt(head.width)  # [Q, K]
-        weights = torch.softmax(scores.masked_fill(index.question_options == options, -math.inf), dim=-1)  # [Q, K]
-        summaries = (weights[:, :, None] * by_question).sum(1)  # [Q, W]
-        fields = (base + head.option_summary_norm(summaries)
-                  + head.global_projection(last_tokens)[index.question_records]
+        owned = index.option_questions[None, :] == torch.arange(questions, device=packed.device)[:, None]  # [Q, N]
+        scores = (base @ routed.T) / math.sqrt(head.width)  # [Q, N]
+        # a padding question owns no option: its row is all -inf, NaN after softmax, and zeros after the fill
+        weights = torch.softmax(scores.masked_fill(~owned, -math.inf), dim=-1).masked_fill(~owned, 0)  # [Q, N]
+        summaries = weights @ routed  # [Q, W]
+        fields = (base + head.option_summary_norm(summaries) + head.global_projection(last_tokens)[question_records]
                   + head.type_embedding(index.question_types))  # [Q, W]
-        decoded = with_padding_row(fields)[index.record_questions]  # [B, Qb, W]
-        field_padding = index.record_questions == questions  # [B, Qb]
+        decoded = fields[None]  # [1, Q, W]
+        field_mask = blocked_attention(index.question_records, index.question_records, memory.dtype)  # [Q, Q]
+        memory_mask = blocked_attention(index.question_records, token_records, memory.dtype)  # [Q, T]
         for layer in head.layers:
-            decoded = layer(decoded, memory, tgt_key_padding_mask=field_padding,
-                            memory_key_padding_mask=memory_padding)
-        fields = head.field_norm(decoded.flatten(0, 1)[index.question_slots])  # [Q, W]
+            decoded = layer(decoded, memory, tgt_mask=field_mask, memory_mask=memory_mask)
+        fields = head.field_norm(decoded[0])  # [Q, W]
 
         # each option's logit: a lexical prior plus the gated agreement of its question's field with the option
-        anchors = question_vectors + last_tokens[index.question_records]  # [Q, H]
+        anchors = question_vectors + last_tokens[question_records]  # [Q, H]
         anchors = torch.nn.functional.normalize(anchors, dim=-1)
         lexical_directions = torch.nn.functional.normalize(lexicals, dim=-1)  # [N, H]
-        priors = (lexical_directions[:, None, :] @ anchors[index.option_questions, :, None]).view(options)  # [N]
+        priors = (lexical_directions[:, None, :] @ anchors[option_questions, :, None]).view(options)  # [N]
         priors = capped_logit_scale(head.prior_logit_scale) * priors
         option_vectors = head.option_norm(routed)  # [N, W]
-        field_vectors = fields[index.option_questions]  # [N, W]
+        field_vectors = fields[option_questions]  # [N, W]
         cosines = torch.nn.functional.cosine_similarity(field_vectors, option_vectors, dim=-1)  # [N]
         pairs = torch.cat([field_vectors, option_vectors, field_vectors * option_vectors,
                            (field_vectors - option_vectors).abs()], dim=-1)  # [N, 4W]
         residuals = head.residual_scorer(pairs).squeeze(-1)  # [N]
-        logits = priors + torch.sigmoid(head.residual_gate) * (
+        return priors + torch.sigmoid(head.residual_gate) * (
             capped_logit_scale(head.joint_logit_scale) * cosines + residuals)  # [N]
 
-        per_question = iter(logits.split([len(question.option_spans) for record in records
-                                          for question in record.questions]))
-        return [[next(per_question) for _ in record.questions] for record in records]
+    @torch.inference_mode()
+    def capture_graphs(self, output_embedding_weight: torch.Tensor, pool: tuple, stream: torch.cuda.Stream) -> int:
+        """Capture a graph per decoder bucket and HEAD_GRAPH_SLOTS row, reading the decoder's static rows of the
+        bucket and a static index (every slot padding while capturing), in `pool` (the decoder's: the head runs after
+        it, and its logits are copied out before the next forward). Returns the graphs captured."""
+        largest = head_index([], HEAD_GRAPH_SLOTS[-1])
+        device = self.decoder.static_buffers[-1].device
+        self.static_index = torch.zeros(sum(part.numel() for part in largest), dtype=torch.long, device=device)
+        self.static_logits = torch.zeros(HEAD_GRAPH_SLOTS[-1].options, dtype=self.decoder.static_buffers[-1].dtype,
+                                         device=device)
+        for bucket in sorted(self.decoder.buckets, reverse=True):
+            packed = self.decoder.static_buffers[-1][0, :bucket]  # [T, H], the decoder's static hidden states
+            for slots in HEAD_GRAPH_SLOTS:
+                padding_only = head_index([], slots)
+                flat = torch.cat([part.flatten() for part in padding_only])
+                self.static_index[:flat.numel()].copy_(flat)
+                index = padding_only.unflattened(self.static_index)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # a first run outside the graph sets up kernels and workspaces
+                    self.option_logits(packed, index, output_embedding_weight, padding_only.option_token_ids)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.static_logits[:slots.options].copy_(
+                        self.option_logits(packed, index, output_embedding_weight, padding_only.option_token_ids))
+                graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
+                self.graphs[bucket, slots] = graph
+        return len(self.graphs)
 
 
 def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, processor: Any,
@@ -4031,7 +4153,8 @@ def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, proce
                  "so the batched head could not be checked against it)")
         return
     (args, kwargs, expected), = head_calls
-    batched = BatchedJointSchemaHead(model.head)
+    batched = BatchedJointSchemaHead(model.head, next(
+        (module for module in model.modules() if isinstance(module, PackedTextDecoder)), None))
     try:
         with torch.inference_mode():
             got = batched(*args, **kwargs)
@@ -4070,10 +4193,11 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
     whole batch, queued without waiting: (the host tensors, a CUDA event that has passed once they hold the values,
     or None on CPU). Answering reads every question's logits; read from the device, that is a transfer and a wait
     per question."""
-    questions = [question_logits for record_logits in batch_logits for question_logits in record_logits]
+    questions = [question_logits for record_logits in batch_logits for question_logits in record_logits]  # [n] each
     if not questions:
         return batch_logits, None
-    flat = torch.cat([question_logits.reshape(-1) for question_logits in questions])  # [sum of the options]
+    # [sum of the options]; a head of other shapes (a release's own) is flattened, and its shapes kept below
+    flat = torch.cat([logits if logits.dim() == 1 else logits.reshape(-1) for logits in questions])
     copied = None
     if flat.is_cuda:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -4082,8 +4206,8 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
         copied.record()
         flat = host
     host_questions = iter(flat.split([question_logits.numel() for question_logits in questions]))
-    host_logits = [[next(host_questions).view(question_logits.shape) for question_logits in record_logits]
-                   for record_logits in batch_logits]
+    host_logits = [[next(host_questions) if logits.dim() == 1 else next(host_questions).view(logits.shape)
+                    for logits in record_logits] for record_logits in batch_logits]
     return host_logits, copied
 
 

@@ -294,6 +294,21 @@ def main() -> int:
         isinstance(loaded.model.head, serve_clef.BatchedJointSchemaHead)
         and isinstance(loaded.model.output_embeddings, serve_clef.HostEmbedding)
     )
+    # The head's graphs replay what the head runs op by op on the same slots: the same kernels on the same inputs
+    head = loaded.model.head
+    results["head_graphs"] = len(head.graphs)
+    checks["the joint head's graphs captured at load, one per decoder bucket and slots row"] = (
+        len(head.graphs) == len(decoder.buckets) * len(serve_clef.HEAD_GRAPH_SLOTS))
+    encoded_texts = [serve_clef.prepare(loaded, request, args.max_length).encoded for request in text_only]
+    head_batches = [encoded_texts[:1], encoded_texts[1:2], encoded_texts]
+    replayed = [serve_clef.score_records(loaded, batch) for batch in head_batches]
+    graphs, head.graphs = head.graphs, {}
+    try:
+        op_by_op = [serve_clef.score_records(loaded, batch) for batch in head_batches]
+    finally:
+        head.graphs = graphs
+    checks["the joint head's graphs give its op-by-op logits bit for bit (1 and 4 records)"] = all(
+        same_bits(a, b) for a, b in zip(replayed, op_by_op))
     for name, passed in checks.items():
         print(f"{name}: {passed}")
     results.update(differences=differences, checks=checks, gate=gate)

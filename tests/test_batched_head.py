@@ -159,6 +159,86 @@ def test_the_number_of_operations_does_not_grow_with_records_questions_or_option
     assert batched_calls[0] < reference_calls[2]
 
 
+def packed_rows(hidden_states: torch.Tensor, records: list, padding_rows: int) -> torch.Tensor:
+    """The records' real rows of a right-padded batch [B, L, H], record after record, then `padding_rows` rows of
+    large noise, as the text decoder's bucket leaves them -> [T, H]."""
+    rows = torch.cat([hidden_states[b, :len(record.input_ids)] for b, record in enumerate(records)])
+    return torch.cat([rows, 100 * torch.randn(padding_rows, rows.shape[1], dtype=rows.dtype)])
+
+
+@torch.inference_mode()
+def test_padding_slots_and_padding_rows_change_no_logit():
+    """The slots of HEAD_GRAPH_SLOTS (what the graphs replay) against the records' exact slots, with and without the
+    decoder bucket's padding rows after the records: the same logits to float rounding; every slot finite."""
+    head = serve_clef.BatchedJointSchemaHead(random_head(1))
+    records = random_records(1)
+    hidden_states, _, _, _, output_embedding_weight = head_inputs(records, 1)
+    needed = serve_clef.head_slots_needed(records)
+    slots = next(slots for slots in serve_clef.HEAD_GRAPH_SLOTS if slots.holds(needed))
+    assert slots != needed
+    logits = {}
+    for name, row_padding, index_slots in (("exact", 0, needed), ("graph slots", 0, slots),
+                                           ("graph slots and padding rows", 37, slots)):
+        index = serve_clef.head_index(records, index_slots)
+        got = head.option_logits(packed_rows(hidden_states, records, row_padding), index, output_embedding_weight,
+                                 index.option_token_ids)
+        assert got.shape == (index_slots.options,) and torch.isfinite(got).all()
+        logits[name] = got[:needed.options]
+    torch.testing.assert_close(logits["graph slots"], logits["exact"], **FP32_TOLERANCE)
+    torch.testing.assert_close(logits["graph slots and padding rows"], logits["exact"], **FP32_TOLERANCE)
+    reference = flat(head.head(*head_inputs(records, 1)))
+    torch.testing.assert_close(logits["graph slots and padding rows"], reference, **FP32_TOLERANCE)
+
+
+@torch.inference_mode()
+def test_a_batch_past_the_largest_slots_runs_on_its_own_slots(monkeypatch):
+    monkeypatch.setattr(serve_clef, "HEAD_GRAPH_SLOTS", (serve_clef.HeadSlots(8, 2, 8, 64, 64),))
+    head = random_head(4)
+    inputs = head_inputs(random_records(4), 4)
+    torch.testing.assert_close(flat(serve_clef.BatchedJointSchemaHead(head)(*inputs)), flat(head(*inputs)),
+                               **FP32_TOLERANCE)
+
+
+@torch.inference_mode()
+def test_an_index_of_padding_only_gives_finite_logits():
+    """What the graphs are captured on: every slot padding, no record owning a row."""
+    head = serve_clef.BatchedJointSchemaHead(random_head(2))
+    index = serve_clef.head_index([], serve_clef.HEAD_GRAPH_SLOTS[0])
+    assert (index.question_records == -1).all() and (index.option_questions == -1).all()
+    got = head.option_logits(torch.randn(64, CONFIG["hidden_size"]), index, torch.randn(VOCABULARY,
+                             CONFIG["hidden_size"]), index.option_token_ids)
+    assert torch.isfinite(got).all()
+
+
+def test_the_index_holds_each_records_spans_and_ids():
+    """head_index against the records' own spans: rows of the packed tokens, offsets, ids and owners."""
+    records = random_records(3)
+    slots = serve_clef.HEAD_GRAPH_SLOTS[0]
+    index = serve_clef.head_index(records, slots)
+    starts = [0]
+    for record in records:
+        starts.append(starts[-1] + len(record.input_ids))
+    questions = [(b, question) for b, record in enumerate(records) for question in record.questions]
+    spans = [(starts[b] + question.question_span[0], starts[b] + question.question_span[1])
+             for b, question in questions]
+    spans += [(starts[b] + start, starts[b] + end) for b, question in questions for start, end in question.option_spans]
+    offsets = index.span_offsets.tolist()
+    question_bags = offsets[:len(questions)]
+    option_bags = offsets[slots.questions:slots.questions + len(spans) - len(questions)]
+    bag_starts = question_bags + option_bags
+    bag_ends = bag_starts[1:] + [offsets[slots.questions + len(spans) - len(questions)]]
+    for (start, end), bag_start, bag_end in zip(spans, bag_starts, bag_ends, strict=True):
+        assert index.span_token_rows[bag_start:bag_end].tolist() == list(range(start, end))
+    assert index.record_ends[:len(records)].tolist() == starts[1:]
+    assert index.last_token_rows[:len(records)].tolist() == [end - 1 for end in starts[1:]]
+    assert index.question_records.tolist() == [b for b, _ in questions] + [-1] * (slots.questions - len(questions))
+    option_ids = [token for record in records for question in record.questions
+                  for start, end in question.option_spans for token in record.input_ids[start:end]]
+    assert index.option_token_ids[:len(option_ids)].tolist() == option_ids
+    option_questions = [q for q, (_, question) in enumerate(questions) for _ in question.option_spans]
+    assert index.option_questions.tolist() == option_questions + [-1] * (slots.options - len(option_questions))
+
+
 # ---- the head of a served model --------------------------------------------------------------------------------------
 
 REQUESTS = [  # three records of different lengths, every question type, 1 to 2 questions
