@@ -3829,9 +3829,14 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
     packed_decoder.capture_graphs(packed_decoder.decoder.norm.weight, pool, side_stream, progress)  # like: [H]
     if packed_decoder.graphs and isinstance(clef_model.head, BatchedJointSchemaHead):
         start = time.perf_counter()
-        captured = clef_model.head.capture_graphs(clef_model.output_embeddings.weight, pool, side_stream)
-        progress(f"joint head captured in {captured} CUDA graphs ({len(HEAD_GRAPH_SLOTS)} index sizes per decoder "
-                 f"length) in {time.perf_counter() - start:.1f} s")
+        try:
+            captured = clef_model.head.capture_graphs(clef_model.output_embeddings.weight, pool, side_stream)
+        except RuntimeError as error:  # an attention kernel of this torch or GPU that a graph cannot hold
+            clef_model.head.graphs.clear()
+            progress(f"the joint head runs op by op: it could not be captured in CUDA graphs ({error})")
+        else:
+            progress(f"joint head captured in {captured} CUDA graphs ({len(HEAD_GRAPH_SLOTS)} index sizes per "
+                     f"decoder length) in {time.perf_counter() - start:.1f} s")
 
 
 # Dimension letters: T packed tokens (the batch's records' real tokens, record after record, then the decoder bucket's
