@@ -4028,8 +4028,10 @@ class BatchedJointSchemaHead(torch.nn.Module):
         host_index = head_index(records, slots)
         graph = self.graphs.get((packed.shape[0], slots))
         if graph is not None:
-            flat = torch.cat([part.flatten() for part in host_index]).pin_memory()
-            self.static_index[:flat.numel()].copy_(flat, non_blocking=True)
+            flat = torch.cat([part.flatten() for part in host_index])
+            # from pinned memory: a copy from pageable memory would wait for the device to finish what it has queued
+            self.static_index[:flat.numel()].copy_(flat.pin_memory() if self.static_index.is_cuda else flat,
+                                                   non_blocking=True)
             graph.replay()
             # a copy: the next replay rewrites the static logits, and a caller may hold these past it
             logits = self.static_logits[:needed.options].clone()  # [N]
@@ -4107,31 +4109,34 @@ class BatchedJointSchemaHead(torch.nn.Module):
         return priors + torch.sigmoid(head.residual_gate) * (
             capped_logit_scale(head.joint_logit_scale) * cosines + residuals)  # [N]
 
+    def run_static(self, bucket: int, slots: HeadSlots, output_embedding_weight: torch.Tensor) -> None:
+        """The head on the decoder's static rows of `bucket` and the static index of `slots`, into the static logits:
+        what the graph of (bucket, slots) holds."""
+        index = head_index([], slots).unflattened(self.static_index)  # views: the layout of `slots`
+        packed = self.decoder.static_buffers[-1][0, :bucket]  # [T, H], the decoder's static hidden states
+        self.static_logits[:slots.options].copy_(
+            self.option_logits(packed, index, output_embedding_weight, index.option_token_ids))
+
     @torch.inference_mode()
     def capture_graphs(self, output_embedding_weight: torch.Tensor, pool: tuple, stream: torch.cuda.Stream) -> int:
-        """Capture a graph per decoder bucket and HEAD_GRAPH_SLOTS row, reading the decoder's static rows of the
-        bucket and a static index (every slot padding while capturing), in `pool` (the decoder's: the head runs after
-        it, and its logits are copied out before the next forward). Returns the graphs captured."""
-        largest = head_index([], HEAD_GRAPH_SLOTS[-1])
-        device = self.decoder.static_buffers[-1].device
-        self.static_index = torch.zeros(sum(part.numel() for part in largest), dtype=torch.long, device=device)
-        self.static_logits = torch.zeros(HEAD_GRAPH_SLOTS[-1].options, dtype=self.decoder.static_buffers[-1].dtype,
-                                         device=device)
+        """Capture a graph per decoder bucket and HEAD_GRAPH_SLOTS row (`run_static`, every index slot padding while
+        capturing) in `pool`, the decoder's: the head runs after the decoder, and its logits are copied out before
+        the next forward. Returns the graphs captured."""
+        like = self.decoder.static_buffers[-1]  # [1, Lmax, H]
+        self.static_index = torch.zeros(sum(part.numel() for part in head_index([], HEAD_GRAPH_SLOTS[-1])),
+                                        dtype=torch.long, device=like.device)
+        self.static_logits = torch.zeros(HEAD_GRAPH_SLOTS[-1].options, dtype=like.dtype, device=like.device)
         for bucket in sorted(self.decoder.buckets, reverse=True):
-            packed = self.decoder.static_buffers[-1][0, :bucket]  # [T, H], the decoder's static hidden states
             for slots in HEAD_GRAPH_SLOTS:
-                padding_only = head_index([], slots)
-                flat = torch.cat([part.flatten() for part in padding_only])
-                self.static_index[:flat.numel()].copy_(flat)
-                index = padding_only.unflattened(self.static_index)
+                padding_only = torch.cat([part.flatten() for part in head_index([], slots)])
+                self.static_index[:padding_only.numel()].copy_(padding_only)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # a first run outside the graph sets up kernels and workspaces
-                    self.option_logits(packed, index, output_embedding_weight, padding_only.option_token_ids)
+                    self.run_static(bucket, slots, output_embedding_weight)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.static_logits[:slots.options].copy_(
-                        self.option_logits(packed, index, output_embedding_weight, padding_only.option_token_ids))
+                    self.run_static(bucket, slots, output_embedding_weight)
                 graph.replay()  # a graph's first launch uploads it to the device: here, not in a request
                 self.graphs[bucket, slots] = graph
         return len(self.graphs)

@@ -5,6 +5,7 @@ installs it only over a head whose logits it reproduces."""
 
 import json
 import random
+import types
 
 import pytest
 import requests
@@ -281,6 +282,40 @@ def test_load_installs_the_batched_head_and_answers_stay_the_release_heads(serve
         got_answers = serve_clef.answer(loaded, record, got_logits)["answers"]
         expected_answers = serve_clef.answer(loaded, record, expected_logits)["answers"]
         assert largest_difference(got_answers, expected_answers) <= ANSWER_NOISE
+
+
+@torch.inference_mode()
+def test_the_graph_path_gives_the_op_by_op_logits(served, release_head):
+    """The forward's graph path on CPU, each graph stood in for by what it holds (run_static: the head on the static
+    index and the decoder's static rows): each batch's index written into the static one and its logits read back,
+    batches of other sizes in turn, bit for bit the op-by-op head's."""
+    loaded, _ = served
+    head = loaded.model.head
+    table = loaded.model.output_embeddings.weight
+    records = [serve_clef.prepare(loaded, request, 4096).encoded for request in REQUESTS]
+    batches = [records, records[:1], records[1:], records[2:], records]
+    op_by_op = [serve_clef.score_records(loaded, batch) for batch in batches]
+    largest = serve_clef.HEAD_GRAPH_SLOTS[-1]
+    head.static_index = torch.zeros(sum(part.numel() for part in serve_clef.head_index([], largest)), dtype=torch.long)
+    head.static_logits = torch.zeros(largest.options, dtype=table.dtype)
+    replays = []
+
+    def stand_in(bucket, slots):
+        def replay():
+            replays.append((bucket, slots))
+            head.run_static(bucket, slots, table)
+        return types.SimpleNamespace(replay=replay)
+
+    head.graphs = {(bucket, slots): stand_in(bucket, slots) for bucket in head.decoder.buckets
+                   for slots in serve_clef.HEAD_GRAPH_SLOTS}
+    try:
+        replayed = [serve_clef.score_records(loaded, batch) for batch in batches]
+    finally:
+        head.graphs, head.static_index, head.static_logits = {}, None, None
+    assert len(replays) == len(batches)
+    for got, expected in zip(replayed, op_by_op, strict=True):
+        assert all(torch.equal(a, b) for record_a, record_b in zip(got, expected, strict=True)
+                   for a, b in zip(record_a, record_b, strict=True))
 
 
 class UniformHead(torch.nn.Module):
