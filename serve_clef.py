@@ -3835,8 +3835,13 @@ def warm_up_engine(clef_model: torch.nn.Module, schema: types.ModuleType, proces
             clef_model.head.graphs.clear()
             progress(f"the joint head runs op by op: it could not be captured in CUDA graphs ({error})")
         else:
-            progress(f"joint head captured in {captured} CUDA graphs ({len(HEAD_GRAPH_SLOTS)} index sizes per "
-                     f"decoder length) in {time.perf_counter() - start:.1f} s")
+            if head_graphs_agree(clef_model, schema, processor):
+                progress(f"joint head captured in {captured} CUDA graphs ({len(HEAD_GRAPH_SLOTS)} index sizes per "
+                         f"decoder length) in {time.perf_counter() - start:.1f} s")
+            else:
+                clef_model.head.graphs.clear()
+                progress("the joint head runs op by op: on the load's check batch its CUDA graphs gave other logits "
+                         "than it gives op by op")
 
 
 # Dimension letters: T packed tokens (the batch's records' real tokens, record after record, then the decoder bucket's
@@ -4142,14 +4147,37 @@ class BatchedJointSchemaHead(torch.nn.Module):
         return len(self.graphs)
 
 
+def head_check_batch(model: torch.nn.Module, schema: types.ModuleType, processor: Any) -> dict:
+    """The load's check batch for the batched head, collated on the model's device: the warm-up record and
+    HEAD_CHECK_REQUEST's."""
+    records = [schema.encode_record(processor.tokenizer, request) for request in (WARM_UP_REQUEST, HEAD_CHECK_REQUEST)]
+    return schema.collate_records(records, processor.tokenizer.pad_token_id, next(model.parameters()).device)
+
+
+@torch.inference_mode()
+def head_graphs_agree(model: torch.nn.Module, schema: types.ModuleType, processor: Any) -> bool:
+    """Whether the batched head's graphs give the logits it gives op by op, bit for bit, on the check batch run
+    through the whole model: a replay runs the same kernels on the same inputs, so anything else is a fault of the
+    graphs (an input that is not where they read it), and the head then serves op by op."""
+    batch = head_check_batch(model, schema, processor)
+    model.head.static_logits.fill_(math.nan)  # so that a graph which does not write them shows
+    replayed = model._forward_unpadded(batch)
+    graphs, model.head.graphs = model.head.graphs, {}
+    try:
+        op_by_op = model._forward_unpadded(batch)
+    finally:
+        model.head.graphs = graphs
+    return all(torch.equal(got, expected) for got_record, expected_record in zip(replayed, op_by_op, strict=True)
+               for got, expected in zip(got_record, expected_record, strict=True))
+
+
 def install_batched_head(model: torch.nn.Module, schema: types.ModuleType, processor: Any,
                          progress: Callable[[str], None]) -> None:
     """Put a BatchedJointSchemaHead in place of the decision module's head (`model.head`), once it has given that
     head's logits (to within BATCHED_HEAD_TOLERANCE) on a check batch run through the whole model as the engine runs
     it: the warm-up record and HEAD_CHECK_REQUEST's. A head whose maths differ (a release's own
     joint_schema_model.py may carry another) keeps serving, and one progress line says which head serves and why."""
-    records = [schema.encode_record(processor.tokenizer, request) for request in (WARM_UP_REQUEST, HEAD_CHECK_REQUEST)]
-    batch = schema.collate_records(records, processor.tokenizer.pad_token_id, next(model.parameters()).device)
+    batch = head_check_batch(model, schema, processor)
     head_calls = []  # (args, kwargs, logits) of each call of the release's head
     hook = model.head.register_forward_hook(
         lambda module, args, kwargs, logits: head_calls.append((args, kwargs, logits)), with_kwargs=True)

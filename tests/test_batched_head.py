@@ -310,9 +310,13 @@ def test_the_graph_path_gives_the_op_by_op_logits(served, release_head):
                    for slots in serve_clef.HEAD_GRAPH_SLOTS}
     try:
         replayed = [serve_clef.score_records(loaded, batch) for batch in batches]
+        assert len(replays) == len(batches)
+        # the load's own check of the graphs, against graphs that hold the head, then against ones that do nothing
+        assert serve_clef.head_graphs_agree(loaded.model, loaded.schema, loaded.processor)
+        head.graphs = dict.fromkeys(head.graphs, types.SimpleNamespace(replay=lambda: None))
+        assert not serve_clef.head_graphs_agree(loaded.model, loaded.schema, loaded.processor)
     finally:
         head.graphs, head.static_index, head.static_logits = {}, None, None
-    assert len(replays) == len(batches)
     for got, expected in zip(replayed, op_by_op, strict=True):
         assert all(torch.equal(a, b) for record_a, record_b in zip(got, expected, strict=True)
                    for a, b in zip(record_a, record_b, strict=True))
