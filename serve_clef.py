@@ -3884,10 +3884,12 @@ class HeadSlots(NamedTuple):
 # takes the first row that holds it and runs op by op past the last. Op by op the head costs the host 3.6-5.0 ms a
 # forward (~320 launches) on an H100's host for 0.7-2.4 ms of GPU work (docs/benchmarks.md). One ~500-token request
 # of bench_serve's three questions fills (1, 3, 11, 189, 156) slots, sixteen of them (16, 48, 176, 3,024, 2,496),
-# 32 (32, 96, 352, 6,048, 4,992); a request of 64 choices of 8 options each (1, 64, 512, 17,078, 16,896).
+# 32 (32, 96, 352, 6,048, 4,992); a request of 64 choices of 8 options each (1, 64, 512, 17,078, 16,896), which runs
+# op by op: the largest row's span tokens are gathered as [S, H] rows in FP32 (64 MiB at 8,192), and its working
+# memory stays in the graphs' pool.
 HEAD_GRAPH_SLOTS = (HeadSlots(MAX_RECORDS_PER_FORWARD, 16, 64, 1024, 1024),
                     HeadSlots(MAX_RECORDS_PER_FORWARD, 64, 256, 4096, 4096),
-                    HeadSlots(MAX_RECORDS_PER_FORWARD, 256, 1024, 16384, 16384))
+                    HeadSlots(MAX_RECORDS_PER_FORWARD, 256, 1024, 8192, 8192))
 
 
 class HeadIndex(NamedTuple):
