@@ -3137,7 +3137,7 @@ class PackedTextDecoder(torch.nn.Module):
         self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
         self.deepstack_tokens = 0  # the static deepstack features are zero past this many tokens
         self.tower_graphs = []  # the vision and audio towers' TowerGraphs, captured in the same pool as the decoder
-        self.packed_output = None  # (data_ptr, shape) of the last [B, L, H] returned, and its packed rows [T, H]
+        self.packed_output = None  # the last [B, L, H] returned, and its packed rows [T, H], until the head takes them
 
     def __getattr__(self, name: str):
         try:
@@ -3207,9 +3207,9 @@ class PackedTextDecoder(torch.nn.Module):
             packed_hidden = static_hidden[0, :total]  # [T, H]
         hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
         hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
-        # the packed rows, padding included, for the batched joint head (packed_rows_behind)
-        self.packed_output = (hidden_states.data_ptr(), hidden_states.shape,
-                              packed_hidden if bucket is None else static_hidden[0])
+        # the packed rows, padding included, for the batched joint head (packed_rows_behind); hidden_states held, so
+        # that no other tensor can be given its memory (and so its address) while these rows are on offer
+        self.packed_output = (hidden_states, packed_hidden if bucket is None else static_hidden[0])
         return transformers.modeling_outputs.MoeModelOutputWithPast(last_hidden_state=hidden_states)
 
     def packed_rows_behind(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -3218,9 +3218,10 @@ class PackedTextDecoder(torch.nn.Module):
         None. Handed out once, so that an unbucketed batch's rows are not held after it."""
         if self.packed_output is None:
             return None
-        data_ptr, shape, rows = self.packed_output
+        returned, rows = self.packed_output
         self.packed_output = None
-        return rows if hidden_states.data_ptr() == data_ptr and hidden_states.shape == shape else None
+        same = hidden_states.data_ptr() == returned.data_ptr() and hidden_states.shape == returned.shape
+        return rows if same else None
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], the attention's

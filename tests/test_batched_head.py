@@ -322,6 +322,27 @@ def test_the_graph_path_gives_the_op_by_op_logits(served, release_head):
                    for a, b in zip(record_a, record_b, strict=True))
 
 
+@torch.inference_mode()
+def test_the_head_reads_the_decoders_packed_rows_only_behind_its_own_output(served, release_head):
+    """packed_rows_behind hands the packed rows to the forward's own [B, L, H] output (or a view of it), once; any
+    other tensor of that shape gets None. Scored with the release head, which leaves the rows on offer."""
+    loaded, _ = served
+    decoder = loaded.model.head.decoder
+    records = [serve_clef.prepare(loaded, request, 4096).encoded for request in REQUESTS]
+    loaded.model.head = release_head
+    serve_clef.score_records(loaded, records)
+    returned, _ = decoder.packed_output
+    assert decoder.packed_rows_behind(torch.zeros_like(returned)) is None
+    assert decoder.packed_output is None
+    serve_clef.score_records(loaded, records)
+    returned, _ = decoder.packed_output
+    rows = decoder.packed_rows_behind(returned[:, :])
+    real = torch.cat([returned[b, :len(record.input_ids)] for b, record in enumerate(records)])  # [T, H]
+    assert rows.shape[0] in decoder.buckets and rows.shape[0] >= real.shape[0]
+    assert torch.equal(rows[:real.shape[0]], real)
+    assert decoder.packed_rows_behind(returned) is None
+
+
 class UniformHead(torch.nn.Module):
     """A decision module's head unlike JointSchemaHead: the same forward signature, none of its modules, every option
     of a question equally likely."""
