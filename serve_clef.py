@@ -3898,7 +3898,7 @@ class HeadIndex(NamedTuple):
     built on the host from the records (`head_index`), padded to its HeadSlots, and copied to the device in one piece.
     Rows are rows of the packed tokens [T]; padding question and option slots hold -1 as their record and question."""
 
-    record_ends: torch.Tensor  # [R] where each record's tokens end (padding slots: where the last record's end)
+    record_ends: torch.Tensor  # [R] where each record's tokens end (padding slots: the last record's end)
     last_token_rows: torch.Tensor  # [R] each record's last token (the end of "DECISIONS:"); padding 0
     span_token_rows: torch.Tensor  # [S] the tokens of every question span, then of every option span; padding 0
     span_offsets: torch.Tensor  # [Q + N + 1] where each span starts in span_token_rows: the Q question slots, the N
