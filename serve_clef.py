@@ -3111,6 +3111,13 @@ def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torc
     return rows
 
 
+def real_token_rows(lengths: list[int], padded_length: int, device: torch.device) -> torch.Tensor:
+    """The rows of a right-padded batch [B, L] flattened to [B*L] that hold real tokens (record b's first lengths[b]),
+    record after record -> [T] on `device`, made on the host."""
+    rows = np.concatenate([np.arange(b * padded_length, b * padded_length + n) for b, n in enumerate(lengths)])
+    return host_to_device(torch.from_numpy(rows), device)
+
+
 class PackedTextDecoder(torch.nn.Module):
     """Stands in for the thinker's text decoder (transformers' Qwen3OmniMoeThinkerTextModel), with its forward
     signature: takes the thinker's right-padded batch [B, L], runs the real tokens packed (padded to the next bucket,
@@ -3160,11 +3167,9 @@ class PackedTextDecoder(torch.nn.Module):
         record_lengths = [length] * batch if attention_mask is None else host_values(attention_mask).sum(-1).tolist()
         if batch > MAX_RECORDS_PER_FORWARD:
             raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
-        # the real tokens' rows of [B*L], record after record: an index made on the host, because a boolean mask
-        # makes torch read the number of rows back from the device, which after the graph would keep the host from
-        # queueing the joint head while the decoder runs
-        real_rows = host_to_device(torch.from_numpy(np.concatenate(
-            [np.arange(length * b, length * b + n) for b, n in enumerate(record_lengths)])), inputs_embeds.device)
+        # an index made on the host, because a boolean mask makes torch read the number of rows back from the device,
+        # which after the graph would keep the host from queueing the joint head while the decoder runs
+        real_rows = real_token_rows(record_lengths, length, inputs_embeds.device)  # [T]
         packed_embeds = inputs_embeds.flatten(0, 1)[real_rows]  # [T, H]
         packed_positions = position_ids.flatten(1, 2)[:, real_rows]  # [P, T]
         # [D, V, H]: the features of the V visual tokens, in the packed order (padding is never visual)
@@ -3909,13 +3914,18 @@ class HeadIndex(NamedTuple):
     question_types: torch.Tensor  # [Q] rows of the head's type_embedding; padding 0
     option_questions: torch.Tensor  # [N] the question of each option; padding -1
 
+    def flat(self) -> torch.Tensor:
+        """The parts laid end to end -> int64 [the index's size]."""
+        return torch.cat(self)
+
     def to(self, device: torch.device) -> "HeadIndex":
         """The same index on `device`, in one copy (host_to_device)."""
-        return self.unflattened(host_to_device(torch.cat([part.flatten() for part in self]), device))
+        return self.unflattened(host_to_device(self.flat(), device))
 
     def unflattened(self, flat: torch.Tensor) -> "HeadIndex":
-        """The index of these slots as views into `flat`, the parts laid end to end (int64)."""
-        return HeadIndex(*flat[:sum(part.numel() for part in self)].split([part.numel() for part in self]))
+        """The index of these slots as views into the first elements of `flat`, laid out as `flat()` lays them."""
+        sizes = [part.numel() for part in self]
+        return HeadIndex(*flat[:sum(sizes)].split(sizes))
 
 
 def expand_spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -3937,7 +3947,6 @@ def head_slots_needed(records: list) -> HeadSlots:
 def head_index(records: list, slots: HeadSlots) -> HeadIndex:
     """The HeadIndex of records (EncodedRecord-like) packed record after record, padded to `slots` (which must hold
     them), from their spans and lengths alone: nothing is read from the device."""
-    needed = head_slots_needed(records)
     lengths = np.array([len(record.input_ids) for record in records], dtype=np.int64)  # [B]
     ends = np.cumsum(lengths)  # [B]
     record_of_question = np.array([b for b, record in enumerate(records) for _ in record.questions], dtype=np.int64)
@@ -3951,16 +3960,16 @@ def head_index(records: list, slots: HeadSlots) -> HeadIndex:
     spans = np.concatenate([question_spans, option_spans])  # [Q + N, 2], rows of the packed tokens
     span_rows, span_starts = expand_spans(spans[:, 0], spans[:, 1] - spans[:, 0])
     option_lengths = option_spans[:, 1] - option_spans[:, 0]  # [N]
-    question_tokens = int(span_starts[needed.questions]) if needed.options else needed.span_tokens
+    questions, span_tokens, option_tokens = len(question_spans), len(span_rows), int(option_lengths.sum())
+    question_tokens = int(span_starts[questions]) if len(option_spans) else span_tokens  # where option spans start
 
     def padded(values: Any, size: int, fill: int) -> np.ndarray:
         row = np.full(size, fill, dtype=np.int64)
         row[:len(values)] = values
         return row
 
-    span_offsets = np.concatenate([padded(span_starts[:needed.questions], slots.questions, question_tokens),
-                                   padded(span_starts[needed.questions:], slots.options, needed.span_tokens),
-                                   [needed.span_tokens]])
+    span_offsets = np.concatenate([padded(span_starts[:questions], slots.questions, question_tokens),
+                                   padded(span_starts[questions:], slots.options, span_tokens), [span_tokens]])
     parts = (
         padded(ends, slots.records, ends[-1] if len(ends) else 0),
         padded(ends - 1, slots.records, 0),
@@ -3969,10 +3978,10 @@ def head_index(records: list, slots: HeadSlots) -> HeadIndex:
         padded(np.concatenate([np.asarray(record.input_ids[start:end], dtype=np.int64) for record in records
                                for question in record.questions for start, end in question.option_spans]
                               or [np.zeros(0, dtype=np.int64)]), slots.option_tokens, 0),
-        padded(np.cumsum(option_lengths) - option_lengths, slots.options + 1, needed.option_tokens),
+        padded(np.cumsum(option_lengths) - option_lengths, slots.options + 1, option_tokens),
         padded(record_of_question, slots.questions, -1),
         padded([question.question_type for record in records for question in record.questions], slots.questions, 0),
-        padded(np.repeat(np.arange(needed.questions), options_per_question), slots.options, -1),
+        padded(np.repeat(np.arange(questions), options_per_question), slots.options, -1),
     )
     return HeadIndex(*(torch.from_numpy(part) for part in parts))
 
@@ -4027,22 +4036,21 @@ class BatchedJointSchemaHead(torch.nn.Module):
         # lengths.
         packed = None if self.decoder is None else self.decoder.packed_rows_behind(hidden_states)  # [T, H]
         if packed is None:  # not the packed decoder's output: pack the real tokens here
-            padded_length = hidden_states.shape[1]
-            real_rows = np.concatenate([np.arange(b * padded_length, b * padded_length + len(record.input_ids))
-                                        for b, record in enumerate(records)])
-            packed = hidden_states.flatten(0, 1)[host_to_device(torch.from_numpy(real_rows), hidden_states.device)]
+            real_rows = real_token_rows([len(record.input_ids) for record in records], hidden_states.shape[1],
+                                        hidden_states.device)  # [T]
+            packed = hidden_states.flatten(0, 1)[real_rows]  # [T, H]
         needed = head_slots_needed(records)
         slots = next((slots for slots in HEAD_GRAPH_SLOTS if slots.holds(needed)), needed)
         host_index = head_index(records, slots)
         graph = self.graphs.get((packed.shape[0], slots))
         if graph is not None:
-            flat = torch.cat([part.flatten() for part in host_index])
+            flat = host_index.flat()
             # from pinned memory: a copy from pageable memory would wait for the device to finish what it has queued
             self.static_index[:flat.numel()].copy_(flat.pin_memory() if self.static_index.is_cuda else flat,
                                                    non_blocking=True)
             graph.replay()
             # a copy: the next replay rewrites the static logits, and a caller may hold these past it
-            logits = self.static_logits[:needed.options].clone()  # [N]
+            logits = self.static_logits.clone()  # [N of the largest row]
         else:
             logits = self.option_logits(packed, host_index.to(packed.device), output_embedding_weight,
                                         host_index.option_token_ids)  # [N]
@@ -4131,12 +4139,12 @@ class BatchedJointSchemaHead(torch.nn.Module):
         capturing) in `pool`, the decoder's: the head runs after the decoder, and its logits are copied out before
         the next forward. Returns the graphs captured."""
         like = self.decoder.static_buffers[-1]  # [1, Lmax, H]
-        self.static_index = torch.zeros(sum(part.numel() for part in head_index([], HEAD_GRAPH_SLOTS[-1])),
-                                        dtype=torch.long, device=like.device)
+        self.static_index = torch.zeros(head_index([], HEAD_GRAPH_SLOTS[-1]).flat().numel(), dtype=torch.long,
+                                        device=like.device)
         self.static_logits = torch.zeros(HEAD_GRAPH_SLOTS[-1].options, dtype=like.dtype, device=like.device)
         for bucket in sorted(self.decoder.buckets, reverse=True):
             for slots in HEAD_GRAPH_SLOTS:
-                padding_only = torch.cat([part.flatten() for part in head_index([], slots)])
+                padding_only = head_index([], slots).flat()
                 self.static_index[:padding_only.numel()].copy_(padding_only)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # a first run outside the graph sets up kernels and workspaces

@@ -296,7 +296,7 @@ def test_the_graph_path_gives_the_op_by_op_logits(served, release_head):
     batches = [records, records[:1], records[1:], records[2:], records]
     op_by_op = [serve_clef.score_records(loaded, batch) for batch in batches]
     largest = serve_clef.HEAD_GRAPH_SLOTS[-1]
-    head.static_index = torch.zeros(sum(part.numel() for part in serve_clef.head_index([], largest)), dtype=torch.long)
+    head.static_index = torch.zeros(serve_clef.head_index([], largest).flat().numel(), dtype=torch.long)
     head.static_logits = torch.zeros(largest.options, dtype=table.dtype)
     replays = []
 
