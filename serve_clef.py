@@ -2870,7 +2870,7 @@ def load_clef(
     processor = load_processor(checkpoint_dir, schema)
     packed_decoder = install_packed_decoder(thinker)
     install_rope_index_from_host(thinker, progress)
-    install_placeholder_masks_checked_on_host(thinker)
+    install_placeholder_masks_checked_on_host(thinker, progress)
     tied_embeddings = packed_decoder.decoder.embed_tokens.weight is clef_model.output_embeddings.weight
     if device.type == "cuda" and not tied_embeddings:  # a table tied to the lm_head stays on the device
         packed_decoder.decoder.embed_tokens = HostEmbedding(packed_decoder.decoder.embed_tokens)
@@ -3475,7 +3475,7 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
 # records as transformers does, with transformers' own helpers, but interleaves by one stable sort; it serves only
 # once it has given transformers' positions bit for bit on made-up batches at load (install_rope_index_from_host).
 # Its placeholder masks come with a count checked on the device; placeholder_masks_checked_on_host checks it on the
-# host.
+# host, and likewise serves only once its masks have equalled transformers' on those batches.
 
 def interleaved_by_time(video_positions: torch.Tensor, audio_positions: torch.Tensor) -> list[torch.Tensor]:
     """transformers' interleaving of a video's positions [3, V] and its soundtrack's [3, A], both sorted by time (row
@@ -3648,14 +3648,33 @@ def placeholder_masks_checked_on_host(thinker: torch.nn.Module, input_ids: torch
                  for token_id in (config.image_token_id, config.video_token_id, config.audio_token_id))
 
 
-def install_placeholder_masks_checked_on_host(thinker: torch.nn.Module) -> None:
+def install_placeholder_masks_checked_on_host(thinker: torch.nn.Module, progress: Callable[[str], None]) -> None:
     """Give each module of the thinker that makes its placeholder masks (which one varies across transformers
-    versions) placeholder_masks_checked_on_host, where transformers' method takes the arguments it was written for."""
+    versions) placeholder_masks_checked_on_host, once it has given transformers' three masks bit for bit on the ids of
+    rope_index_check_batches, with and without features; otherwise transformers' own stays, and a progress line says
+    why."""
     for module in thinker.modules():
         library = getattr(type(module), "get_placeholder_mask", None)
-        if library is not None and list(inspect.signature(library).parameters) == [
-                "self", "input_ids", "inputs_embeds", "image_features", "video_features"]:
-            module.get_placeholder_mask = functools.partial(placeholder_masks_checked_on_host, module)
+        if library is None:
+            continue
+        for batch in rope_index_check_batches(module.config):
+            input_ids = batch["input_ids"]
+            inputs_embeds = torch.zeros(*input_ids.shape, 4)  # B, L, H: only its width and device are read
+            features = [torch.zeros(int((input_ids == token_id).sum()), 4)
+                        for token_id in (module.config.image_token_id, module.config.video_token_id)]
+            for arguments in ((input_ids, inputs_embeds, *features), (input_ids, inputs_embeds)):
+                try:
+                    ours = placeholder_masks_checked_on_host(module, *arguments)
+                    theirs = library(module, *arguments)
+                except Exception as error:  # a transformers whose method takes other arguments or checks otherwise
+                    progress(f"placeholder masks: transformers' own (placeholder_masks_checked_on_host fails on a "
+                             f"check batch: {type(error).__name__}: {error})")
+                    return
+                if len(ours) != len(theirs) or not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+                    progress("placeholder masks: transformers' own (placeholder_masks_checked_on_host differs from "
+                             "it on a check batch)")
+                    return
+        module.get_placeholder_mask = functools.partial(placeholder_masks_checked_on_host, module)
 
 
 def thinker_towers(thinker: torch.nn.Module) -> list[torch.nn.Module]:

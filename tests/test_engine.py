@@ -426,6 +426,30 @@ def test_placeholder_masks_are_transformers_own_with_the_count_checked_on_the_ho
             module.get_placeholder_mask(input_ids, inputs_embeds, **wrong)
 
 
+def test_a_transformers_whose_placeholder_masks_differ_keeps_its_own(loaded, monkeypatch):
+    thinker = loaded.model.thinker
+    modules = [module for module in thinker.modules() if "get_placeholder_mask" in module.__dict__]
+    assert modules
+    for module in modules:
+        monkeypatch.delitem(module.__dict__, "get_placeholder_mask")
+        library = type(module).get_placeholder_mask
+
+        def audio_unmarked(self, *args, _library=library, **kwargs):  # a transformers that marks no audio token
+            image_mask, video_mask, audio_mask = _library(self, *args, **kwargs)
+            return image_mask, video_mask, torch.zeros_like(audio_mask)
+        monkeypatch.setattr(type(module), "get_placeholder_mask", audio_unmarked)
+    lines = []
+    serve_clef.install_placeholder_masks_checked_on_host(thinker, lines.append)
+    assert not any("get_placeholder_mask" in module.__dict__ for module in modules)
+    assert lines == ["placeholder masks: transformers' own (placeholder_masks_checked_on_host differs from it on a "
+                     "check batch)"]
+    monkeypatch.undo()  # transformers' own masks again, and ours installed as the load left them
+    for module in modules:
+        del module.get_placeholder_mask
+    serve_clef.install_placeholder_masks_checked_on_host(thinker, lines.append)
+    assert all("get_placeholder_mask" in module.__dict__ for module in modules) and len(lines) == 1
+
+
 def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
     decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
     padded_lengths = []
