@@ -441,8 +441,8 @@ def test_a_transformers_whose_placeholder_masks_differ_keeps_its_own(loaded, mon
     lines = []
     serve_clef.install_placeholder_masks_checked_on_host(thinker, lines.append)
     assert not any("get_placeholder_mask" in module.__dict__ for module in modules)
-    assert lines == ["placeholder masks: transformers' own (placeholder_masks_checked_on_host differs from it on a "
-                     "check batch)"]
+    assert lines == [("placeholder masks: transformers' own (placeholder_masks_checked_on_host differs from it on a "
+                      "check batch)")]
     monkeypatch.undo()  # transformers' own masks again, and ours installed as the load left them
     for module in modules:
         del module.get_placeholder_mask
