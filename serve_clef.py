@@ -3605,6 +3605,23 @@ def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict
     return batches
 
 
+def agrees_with_transformers(what: str, ours: Callable, library: Callable, module: torch.nn.Module,
+                             check_calls: list[dict], progress: Callable[[str], None]) -> bool:
+    """Whether `ours` gives the tensors of transformers' method `library` bit for bit, both called on `module` with
+    each keyword set of `check_calls`; otherwise a progress line says that transformers' own serves `what`, and why."""
+    for arguments in check_calls:
+        try:
+            mine, theirs = ours(module, **arguments), library(module, **arguments)
+        except Exception as error:  # a transformers whose method takes other arguments, or walks or checks otherwise
+            progress(f"{what}: transformers' own ({ours.__name__} fails on a check batch: {type(error).__name__}: "
+                     f"{error})")
+            return False
+        if len(mine) != len(theirs) or not all(torch.equal(a, b) for a, b in zip(mine, theirs)):
+            progress(f"{what}: transformers' own ({ours.__name__} differs from it on a check batch)")
+            return False
+    return True
+
+
 def install_rope_index_from_host(thinker: torch.nn.Module, progress: Callable[[str], None]) -> None:
     """Give each module of the thinker that computes its 3-D positions (which one varies across transformers
     versions) rope_index_from_host, once it has given transformers' positions and offsets bit for bit on
@@ -3613,16 +3630,9 @@ def install_rope_index_from_host(thinker: torch.nn.Module, progress: Callable[[s
         library = getattr(type(module), "get_rope_index", None)
         if library is None or not hasattr(module, "get_llm_pos_ids_for_vision"):
             continue
-        for batch in rope_index_check_batches(module.config):
-            try:
-                ours = rope_index_from_host(module, **batch)
-            except Exception as error:  # a transformers whose walk or helpers differ from the one this follows
-                progress(f"3-D positions: transformers' own (rope_index_from_host fails on a check batch: "
-                         f"{type(error).__name__}: {error})")
-                return
-            if not all(torch.equal(mine, theirs) for mine, theirs in zip(ours, library(module, **batch))):
-                progress("3-D positions: transformers' own (rope_index_from_host differs from it on a check batch)")
-                return
+        if not agrees_with_transformers("3-D positions", rope_index_from_host, library, module,
+                                        rope_index_check_batches(module.config), progress):
+            return
         module.get_rope_index = functools.partial(rope_index_from_host, module)
 
 
@@ -3657,23 +3667,19 @@ def install_placeholder_masks_checked_on_host(thinker: torch.nn.Module, progress
         library = getattr(type(module), "get_placeholder_mask", None)
         if library is None:
             continue
+        check_calls = []
         for batch in rope_index_check_batches(module.config):
             input_ids = batch["input_ids"]
             inputs_embeds = torch.zeros(*input_ids.shape, 4)  # B, L, H: only its width and device are read
-            features = [torch.zeros(int((input_ids == token_id).sum()), 4)
-                        for token_id in (module.config.image_token_id, module.config.video_token_id)]
-            for arguments in ((input_ids, inputs_embeds, *features), (input_ids, inputs_embeds)):
-                try:
-                    ours = placeholder_masks_checked_on_host(module, *arguments)
-                    theirs = library(module, *arguments)
-                except Exception as error:  # a transformers whose method takes other arguments or checks otherwise
-                    progress(f"placeholder masks: transformers' own (placeholder_masks_checked_on_host fails on a "
-                             f"check batch: {type(error).__name__}: {error})")
-                    return
-                if len(ours) != len(theirs) or not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
-                    progress("placeholder masks: transformers' own (placeholder_masks_checked_on_host differs from "
-                             "it on a check batch)")
-                    return
+            image_features, video_features = (torch.zeros(int((input_ids == token_id).sum()), 4)  # [tokens, H]
+                                              for token_id in (module.config.image_token_id,
+                                                               module.config.video_token_id))
+            without_features = {"input_ids": input_ids, "inputs_embeds": inputs_embeds}
+            check_calls += [{**without_features, "image_features": image_features, "video_features": video_features},
+                            without_features]
+        if not agrees_with_transformers("placeholder masks", placeholder_masks_checked_on_host, library, module,
+                                        check_calls, progress):
+            return
         module.get_placeholder_mask = functools.partial(placeholder_masks_checked_on_host, module)
 
 
