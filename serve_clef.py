@@ -34,6 +34,8 @@ import atexit
 import base64
 import concurrent.futures
 import contextlib
+import copy
+import dataclasses
 import enum
 import fnmatch
 import functools
@@ -63,7 +65,6 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -927,7 +928,7 @@ def sum_top_k(pair_outputs: torch.Tensor, top_k: int, real_tokens: torch.Tensor 
     return token_outputs
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ExpertTiles:
     """Tile sizes of the packed-expert kernels: rows (pairs) per tile, output columns per program, reduced columns
     per step, and Triton's warps and pipeline stages. Routing pads each expert's pairs to whole tiles of `rows`. The
@@ -1972,7 +1973,7 @@ def module_matches(pattern: str, module: str) -> bool:
     return fnmatch.fnmatchcase(module, pattern)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CheckpointQuantization:
     """What a checkpoint's quantization metadata says (docs/nvfp4-format.md §1, §7), read once at load.
 
@@ -2006,7 +2007,7 @@ class CheckpointQuantization:
         return None
 
 
-@dataclass
+@dataclasses.dataclass
 class LoadedClef:
     model: torch.nn.Module  # schema.ClefModel, eval, on device
     processor: Any
@@ -4285,7 +4286,7 @@ def logits_to_host(batch_logits: list[list[torch.Tensor]]) -> tuple[list[list[to
     return host_logits, copied
 
 
-@dataclass
+@dataclasses.dataclass
 class ForwardInFlight:
     """A forward queue_forward queued on the device: its records' option logits, per question, once it has run."""
 
@@ -4919,7 +4920,7 @@ def encode(loaded: LoadedClef, record: dict, max_length: int, truncate: bool):
     raise _invalid((), str(refusal)) from None
 
 
-@dataclass
+@dataclasses.dataclass
 class PreparedRecord:
     """A request validated, its media decoded and its record encoded: what a forward needs, and what its answers
     need (the questions, the token counts, the stage timings so far)."""
@@ -5007,6 +5008,11 @@ SERVER_SWITCH_INTERVAL_S = 0.001  # Python's lock handed between the server's th
 # (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
 # client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
 REJOIN_WAIT_S = 0.015
+# Requests are prepared by this many threads, each with its own processor: a text request behind a video's 27 ms of
+# decoding and encoding no longer waits for it, and the tokenizer and the media decoders let go of Python's lock, so
+# the requests a forward's answered clients send together are prepared side by side (on the H100's 16-CPU host, 1.37
+# ms a ~512-token text request one at a time, 0.98 ms a request four at a time; docs/benchmarks.md).
+PREPARING_THREADS = 4
 SERVED_NAME = "clef-omni"
 CLEF_OMNI_RELEASED = 1791504000  # 2026-10-09 00:00 UTC, the Cloudflare/clef-omni release date, as a unix time
 ERROR_CATEGORY = {401: "authentication_error", 500: "server_error", 503: "service_unavailable"}
@@ -5241,7 +5247,7 @@ class ServingMetrics:
         )
 
 
-@dataclass
+@dataclasses.dataclass
 class DecisionJob:
     """One request on its way through the scheduler. Its future is settled once, with the response or the error that
     refuses it; the HTTP handler cancels it when the client goes away, and every stage skips cancelled jobs."""
@@ -5266,14 +5272,14 @@ class ClefService:
     """What the endpoints share: the model once loaded (or why loading failed), the scheduler that answers decisions,
     and the metrics.
 
-    The scheduler is two long-lived threads. The preparing thread takes requests in arrival order and validates,
-    decodes and encodes each (CPU work) while the scoring thread runs the previous batch on the device. The scoring
-    thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every prepared record
-    that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in arrival order (a record
-    over the budget runs alone), and queues their forward on the device. When more is waiting than that forward
-    takes, it is queued before the records of the forward before it are answered, so that the device runs it while
-    the host answers; otherwise those records are answered first, and the requests their clients send next join it
-    (the scorer waits up to REJOIN_WAIT_S for them).
+    The scheduler is long-lived threads. PREPARING_THREADS preparing threads take requests in arrival order and
+    validate, decode and encode them side by side (CPU work) while the scoring thread runs the previous batch on the
+    device. The scoring thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every
+    prepared record that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in the order
+    they were prepared (a record over the budget runs alone), and queues their forward on the device. When more is
+    waiting than that forward takes, it is queued before the records of the forward before it are answered, so that
+    the device runs it while the host answers; otherwise those records are answered first, and the requests their
+    clients send next join it (the scorer waits up to REJOIN_WAIT_S for them).
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
@@ -5282,6 +5288,7 @@ class ClefService:
         self.args = args
         self.load = load
         self.loaded: LoadedClef | None = None
+        self.preparers_loaded: list[LoadedClef] = []  # per preparing thread, the loaded model with its own processor
         self.load_error: str | None = None
         self.metrics = ServingMetrics()
         self.queue_slots = threading.BoundedSemaphore(args.max_queue)  # one per request waiting or in a forward
@@ -5291,7 +5298,9 @@ class ClefService:
     def start(self) -> None:
         # Daemon threads, so that stopping the server during a long load does not wait for the load to finish.
         threading.Thread(target=self.score_forever, name="serve_clef-scorer", daemon=True).start()
-        threading.Thread(target=self.prepare_forever, name="serve_clef-preparer", daemon=True).start()
+        for index in range(PREPARING_THREADS):
+            threading.Thread(target=self.prepare_forever, args=(index,), name=f"serve_clef-preparer-{index}",
+                             daemon=True).start()
 
     def submit(self, payload: Any) -> DecisionJob:
         """Queue a parsed request; 503 with Retry-After when the queue is full."""
@@ -5322,13 +5331,13 @@ class ClefService:
             return False
         return True
 
-    def prepare_forever(self) -> None:
+    def prepare_forever(self, index: int) -> None:
         while True:
-            job = self.arrived.get()
+            job = self.arrived.get()  # only once loaded: the endpoint refuses requests before
             if not self.still_wanted(job):
                 continue
             try:
-                job.prepared = prepare(self.loaded, job.payload, self.args.max_length, job.timings)
+                job.prepared = prepare(self.preparers_loaded[index], job.payload, self.args.max_length, job.timings)
             except BaseException as error:  # a refusal (RequestError) or a fault, handed to the waiting request
                 job.settle(error=error)
                 continue
@@ -5419,6 +5428,11 @@ class ClefService:
     def load_in_background(self) -> None:
         try:
             loaded = self.load(self.args, progress=console)
+            # A processor per preparing thread: the tokenizer's Rust core refuses a call that changes its padding or
+            # truncation while another thread's call is inside it (a release's own decision module may make such
+            # calls), and a copy costs milliseconds.
+            self.preparers_loaded = [dataclasses.replace(loaded, processor=copy.deepcopy(loaded.processor))
+                                     for _ in range(PREPARING_THREADS)]
             # What the load made lives as long as the server. Python's full garbage collections walk every object
             # the process tracks, and they come unannounced while requests are answered: after loading the full
             # model on the H200's host, 806,000 objects and 458 ms a walk. Frozen, those objects are never walked.

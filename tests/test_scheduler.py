@@ -3,6 +3,7 @@ with Retry-After), a request that waits past its deadline gets 503, and the requ
 never scored. The device is held up by a forward that waits for the test, so that queues can be built on purpose."""
 
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -128,6 +129,34 @@ def test_the_request_of_a_client_that_went_away_is_not_scored(loaded, monkeypatc
             assert first.result().status_code == 200
         assert post(base_url, request_with_id(2)).status_code == 200
     assert held.batches == [["r0"], ["r2"]]
+
+
+def test_requests_are_prepared_side_by_side_each_thread_with_a_processor_of_its_own(loaded, monkeypatch):
+    """Two requests are prepared at once (the first two preparations wait for each other: prepared one after the
+    other, the first would time out and its request get 500), and no two preparing threads share a tokenizer, whose
+    Rust core refuses a call that changes its settings while another thread's call is inside it."""
+    together = threading.Barrier(2, timeout=TIMEOUT_S / 4)
+    calls = itertools.count()
+    tokenizers = {}  # preparing thread: ids of the tokenizer cores it used
+    prepare = serve_clef.prepare
+
+    def recorded_prepare(thread_loaded, payload, *rest):
+        tokenizer_core = thread_loaded.processor.tokenizer._tokenizer
+        tokenizers.setdefault(threading.current_thread().name, set()).add(id(tokenizer_core))
+        if next(calls) < 2:
+            together.wait()
+        return prepare(thread_loaded, payload, *rest)
+
+    monkeypatch.setattr(serve_clef, "prepare", recorded_prepare)
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        held.go.set()
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            responses = list(pool.map(lambda number: post(base_url, request_with_id(number)), range(8)))
+    assert [response.status_code for response in responses] == [200] * 8
+    assert sorted(record for batch in held.batches for record in batch) == sorted(f"r{n}" for n in range(8))
+    assert len(tokenizers) >= 2 and all(len(cores) == 1 for cores in tokenizers.values())
+    cores = [core for thread_cores in tokenizers.values() for core in thread_cores]
+    assert len(set(cores)) == len(cores) and id(loaded.processor.tokenizer._tokenizer) not in cores
 
 
 @contextlib.contextmanager
