@@ -5430,7 +5430,7 @@ class ClefService:
             loaded = self.load(self.args, progress=console)
             # A processor per preparing thread: the tokenizer's Rust core refuses a call that changes its padding or
             # truncation while another thread's call is inside it (a release's own decision module may make such
-            # calls), and a copy costs milliseconds.
+            # calls). The copies are made once, here.
             self.preparers_loaded = [dataclasses.replace(loaded, processor=copy.deepcopy(loaded.processor))
                                      for _ in range(PREPARING_THREADS)]
             # What the load made lives as long as the server. Python's full garbage collections walk every object
