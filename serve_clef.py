@@ -4335,8 +4335,9 @@ def score_records(loaded: LoadedClef, encoded_records: list) -> list[list[torch.
 # ==== decisions =======================================================================================================
 # A request is checked field by field (docs/api.md §2) before anything is decoded; then its media are decoded and
 # measured, its record is encoded once by the decision module's own `encode_record`, the engine scores it (in the
-# server, in a batch with others) and the module's own answer code answers it. The server prepares requests on one
-# thread (the fast tokenizer is not thread safe) and scores and answers them on another.
+# server, in a batch with others) and the module's own answer code answers it. The server prepares requests on
+# PREPARING_THREADS threads, each with its own copy of the processor (the fast tokenizer refuses a call that changes
+# its settings while another thread's call is inside it), and scores and answers them on another.
 
 MiB = 1024 * 1024
 MAX_QUESTIONS = 64
