@@ -15,11 +15,14 @@ forward): when the host entered `queue_forward`, reached the text decoder and re
 forward (after the forward before it), started and ended the decoder, and ended the forward. So a level reports where
 the device's time went: its forwards' decoders and joint heads, the gaps inside a forward while the host still queued
 its work before the decoder, and the gaps between forwards, when nothing was queued. On CPU the model runs on the
-host and the device times are the host's.
+host and the device times are the host's. Real forwards also tell when each of their records was ready (prepared),
+from the end of the answers before the forward: the records ready after them are the answered clients' next
+requests that joined it, and the last of them how long those took to come back (the rejoin wait's catch).
 
 The clients are bench/load_http.py's plain levels (1, 8, 16 and 64 clients, distinct ~512-token requests). Reported
 per level: tokens/s, records per forward, p50 latency, and the share of the time the (modeled or real) device was
-busy; real forwards add the medians of their stages, and the JSON each forward's.
+busy; real forwards add the medians of their stages and of the records ready after the answers, and the JSON each
+forward's.
 
 Usage: python3 bench/host_capacity.py [--host-ms 0,10] [--base-ms 10.5] [--per-token-us 16.2]
        python3 bench/host_capacity.py --real synthetic:full   (writes $OUT/host_capacity.json when OUT is set)
@@ -112,10 +115,27 @@ def serve_real(args: argparse.Namespace, forwards: list) -> int:
     `forwards` once the server stops."""
     clock, marked, in_progress = DeviceClock(), [], []
     real_queue_forward, real_decoder_forward = serve_clef.queue_forward, serve_clef.PackedTextDecoder.forward
+    real_prepare, real_answer = serve_clef.prepare, serve_clef.answer
+    prepared_at = {}  # id of an encoded record: when its preparation ended
+    answered_at = [None]  # when the last answer ended
+
+    def timed_prepare(*args, **kwargs):
+        prepared = real_prepare(*args, **kwargs)
+        prepared_at[id(prepared.encoded)] = time.perf_counter()
+        return prepared
+
+    def timed_answer(*args, **kwargs):
+        try:
+            return real_answer(*args, **kwargs)
+        finally:
+            answered_at[0] = time.perf_counter()
 
     def timed_queue_forward(loaded, encoded_records):
+        entered = time.perf_counter()
+        # when each record was ready, from the end of the answers before this forward (negative: it was waiting)
+        ready = sorted(prepared_at.pop(id(record), entered) - (answered_at[0] or entered) for record in encoded_records)
         marks = {"records": len(encoded_records), "tokens": sum(len(record.input_ids) for record in encoded_records),
-                 "entered": time.perf_counter(), "device_reached": clock.mark()}
+                 "entered": entered, "device_reached": clock.mark(), "ready_after_answers": ready}
         in_progress.append(marks)  # a stack: a batch out of memory is scored again record by record, inside
         try:
             flight = real_queue_forward(loaded, encoded_records)
@@ -134,6 +154,7 @@ def serve_real(args: argparse.Namespace, forwards: list) -> int:
 
     serve_clef.queue_forward = timed_queue_forward
     serve_clef.PackedTextDecoder.forward = timed_decoder_forward
+    serve_clef.prepare, serve_clef.answer = timed_prepare, timed_answer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         return serve_clef.main(["--model", args.real, "--device", device, "--port", str(args.serve)])
@@ -186,8 +207,15 @@ def level_forwards(forwards: list, since: float, until: float) -> dict:
         for stage in stages[0]:
             values = [row[stage] for row in stages if row[stage] is not None]  # the first has no forward before
             summary["forward_stages_median_ms"][stage] = round(statistics.median(values), 2) if values else None
+        # the answered clients' next requests: how many joined each forward, and when the last of them was ready
+        late = [[ready for ready in forward["ready_after_answers"] if ready > 0] for forward in real]
+        summary["after_the_answers_median"] = {
+            "records ready": statistics.median(len(ready) for ready in late),
+            "the last ready, ms": round(statistics.median(max(ready, default=0.0) for ready in late) * 1000, 2)}
         summary["forwards"] = [{"records": forward["records"], "tokens": forward["tokens"],
-                                "at": round((forward["entered"] - since) * 1000, 1), **row}
+                                "at": round((forward["entered"] - since) * 1000, 1), **row,
+                                "ready after the answers, ms": [round(ready * 1000, 2)
+                                                                for ready in forward["ready_after_answers"]]}
                                for forward, row in zip(real, stages)]
     return summary
 
