@@ -5273,14 +5273,14 @@ class ClefService:
     """What the endpoints share: the model once loaded (or why loading failed), the scheduler that answers decisions,
     and the metrics.
 
-    The scheduler is long-lived threads. PREPARING_THREADS preparing threads take requests in arrival order and
+    The scheduler is a set of long-lived threads. PREPARING_THREADS preparing threads take requests in arrival order and
     validate, decode and encode them side by side (CPU work) while the scoring thread runs the previous batch on the
     device. The scoring thread loads the model first (CUDA's per-thread set-up is paid once, there), then takes every
     prepared record that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in the order
     they were prepared (a record over the budget runs alone), and queues their forward on the device. When more is
-    waiting than that forward takes, it is queued before the records of the forward before it are answered, so that
-    the device runs it while the host answers; otherwise those records are answered first, and the requests their
-    clients send next join it (the scorer waits up to REJOIN_WAIT_S for them).
+    waiting than that forward takes, it is queued before the records of the forward before it are answered, so that the
+    device runs it while the host answers; otherwise those records are answered first, and the requests their clients
+    send next join it (the scorer waits up to REJOIN_WAIT_S for them).
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
