@@ -147,8 +147,8 @@ def test_requests_are_prepared_side_by_side_each_thread_with_a_processor_of_its_
             together.wait()
         return prepare(thread_loaded, payload, *rest)
 
-    monkeypatch.setattr(serve_clef, "prepare", recorded_prepare)
     with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        monkeypatch.setattr(serve_clef, "prepare", recorded_prepare)  # once loaded: the load's warm-ups are not counted
         held.go.set()
         with ThreadPoolExecutor(max_workers=8) as pool:
             responses = list(pool.map(lambda number: post(base_url, request_with_id(number)), range(8)))
@@ -157,6 +157,18 @@ def test_requests_are_prepared_side_by_side_each_thread_with_a_processor_of_its_
     assert len(tokenizers) >= 2 and all(len(cores) == 1 for cores in tokenizers.values())
     cores = [core for thread_cores in tokenizers.values() for core in thread_cores]
     assert len(set(cores)) == len(cores) and id(loaded.processor.tokenizer._tokenizer) not in cores
+
+
+def test_each_preparing_thread_s_processor_is_warmed_at_load(loaded, monkeypatch):
+    """What a processor computes on first use (the longest token's length, 0.1 s for a real vocabulary) is computed
+    for every preparing thread's copy at load, not by the first request each thread prepares."""
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        held.go.set()
+        cache_misses = serve_clef.longest_token_chars.cache_info().misses
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            responses = list(pool.map(lambda number: post(base_url, request_with_id(number)), range(8)))
+    assert [response.status_code for response in responses] == [200] * 8
+    assert serve_clef.longest_token_chars.cache_info().misses == cache_misses
 
 
 @contextlib.contextmanager
