@@ -853,10 +853,14 @@ class FrameVideoProcessor:
             )
             frames = F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
             grid_t, grid_h, grid_w = frames.shape[0] // t, height // p, width // p
-            # [gt, t, 3, gh/m, m, p, gw/m, m, p] -> rows ordered (gt, gh/m, gw/m, m, m), each row (3, t, p, p).
+            # [gt, t, 3, gh/m, m, p, gw/m, m, p] -> rows ordered (gt, gh/m, gw/m, m, m), each row (3, t, p, p),
+            # made float in the one copy that orders them and normalised in place: (x - mean) / std as before, with
+            # no more buffers of the video's size (each costs its page faults: 13.7 MB for 8 frames of 320x448).
             frames = frames.reshape(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
-            frames = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(grid_t * grid_h * grid_w, 3, t * p * p)
-            patches.append(((frames.float() - mean) / std).reshape(grid_t * grid_h * grid_w, 3 * t * p * p))
+            rows = frames.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).to(torch.float32, memory_format=torch.contiguous_format)
+            rows = rows.view(grid_t * grid_h * grid_w, 3, t * p * p).sub_(mean).div_(std)
+            patches.append(rows.view(grid_t * grid_h * grid_w, 3 * t * p * p))
             grids.append([grid_t, grid_h, grid_w])
-        data = {"pixel_values_videos": torch.cat(patches), "video_grid_thw": torch.tensor(grids)}
+        pixel_values = patches[0] if len(patches) == 1 else torch.cat(patches)  # [P, 3*t*p*p]
+        data = {"pixel_values_videos": pixel_values, "video_grid_thw": torch.tensor(grids)}
         return BatchFeature(data=data, tensor_type=return_tensors)
