@@ -201,6 +201,19 @@ def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_re
         assert serve_clef.host_values(on_device) is host
 
 
+def test_the_collation_hands_a_lone_record_s_media_on_and_joins_several_records(loaded, mixed_requests):
+    """A lone record's media tensors reach the batch as they are (a video's patches are megabytes, which a join of a
+    list of one would copy); several records' are joined in record order, as torch.cat joins them."""
+    encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in mixed_requests]
+    with_video = next(record for record in encoded if "pixel_values_videos" in (record.media or {}))
+    pad_token_id = loaded.processor.tokenizer.pad_token_id
+    alone = loaded.schema.collate_records([with_video], pad_token_id, "cpu")["media"]
+    assert alone["pixel_values_videos"] is with_video.media["pixel_values_videos"]
+    together = loaded.schema.collate_records([with_video, with_video], pad_token_id, "cpu")["media"]
+    patches = with_video.media["pixel_values_videos"]
+    assert torch.equal(together["pixel_values_videos"], torch.cat([patches, patches]))
+
+
 def test_a_batch_moved_to_the_device_is_read_from_its_host_copy():
     """What the forward reads on the host of a batch host_to_device moved (the token ids, for the embedding lookups)
     comes from the host tensor it was copied from, never back from the device: the meta device keeps no values, so
