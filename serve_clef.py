@@ -5009,6 +5009,12 @@ SERVER_SWITCH_INTERVAL_S = 0.001  # Python's lock handed between the server's th
 # (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
 # client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
 REJOIN_WAIT_S = 0.015
+# Two groups of at least this many records take turns on the device instead of waiting for each other: while one
+# group's forward runs, the other's clients are answered and send their next requests, so the device does not idle
+# through their way back (on an H100's host 15-23 ms between forwards of 8-15 records); each turn costs a forward's
+# fixed work (about 10 ms). On an H100 (docs/benchmarks.md) 4 took 8 clients from 44.5-45.1k to 48.7k tokens/s and
+# 16 clients from 47.4k to 55.1k; 6 left 8 clients waiting for each other (45.5k) and took 16 to 55.5-55.8k.
+ALTERNATING_RECORDS = 4
 # Requests are prepared by this many threads, each with its own processor: a text request behind a video's 27 ms of
 # decoding and encoding no longer waits for it, and the tokenizer and the media decoders let go of Python's lock, so
 # the requests a forward's answered clients send together are prepared side by side (on the H100's 16-CPU host, 1.37
@@ -5279,8 +5285,9 @@ class ClefService:
     prepared record that has arrived, up to `max_batch_tokens` tokens and MAX_RECORDS_PER_FORWARD records in the order
     they were prepared (a record over the budget runs alone), and queues their forward on the device. When more is
     waiting than that forward takes, it is queued before the records of the forward before it are answered, so that the
-    device runs it while the host answers; otherwise those records are answered first, and the requests their clients
-    send next join it (the scorer waits up to REJOIN_WAIT_S for them).
+    device runs it while the host answers. So it is when two groups of at least ALTERNATING_RECORDS records take turns
+    (a batch of two groups' worth on an idle device is split in two to start them). Otherwise those records are
+    answered first, and the requests their clients send next join it (the scorer waits up to REJOIN_WAIT_S for them).
     At most `max_queue` requests wait or run (503 with Retry-After beyond), and a request still unscored after
     `request_timeout` seconds gets 503.
     """
@@ -5349,6 +5356,7 @@ class ClefService:
         backlog: list[DecisionJob] = []  # prepared, not yet scored, in arrival order
         running = None  # (batch, when its forward was queued, its ForwardInFlight): queued last, not yet answered
         rejoin = None  # (records to wait for, until when): the clients just answered may send their next requests
+        running_ended = False  # the running forward was waited for, not yet answered
         while self.loaded is not None:
             if not backlog and running is None:
                 backlog.append(self.prepared.get())
@@ -5370,22 +5378,36 @@ class ClefService:
                 if fits and batch_compatible([waiting.prepared.encoded for waiting in (*batch, job)]):
                     batch.append(job)
                     tokens += job.prepared.tokens
-            if running is not None and len(batch) == len(backlog):
-                # Everything waiting fits in one forward: answer the running one's records first, and give their
-                # clients REJOIN_WAIT_S to send their next requests, so that those join this forward rather than wait
-                # a whole forward longer.
+            taking_turns = running is not None and min(len(batch), len(running[0])) >= ALTERNATING_RECORDS
+            if (running is not None and len(batch) == len(backlog) and not taking_turns and not running_ended
+                    and len(running[0]) >= ALTERNATING_RECORDS):
+                # The running forward's group could take turns with the clients answered before it, who are sending
+                # their next requests meanwhile: choose once it has ended, with what has come by then.
+                with contextlib.suppress(Exception):  # a fault of the device: answering the forward reports it
+                    running[2].wait()
+                running_ended = True
+                continue
+            if running is not None and len(batch) == len(backlog) and not taking_turns:
+                # Everything waiting fits in one forward, and it or the running forward is small: answer the running
+                # one's records first, and give their clients REJOIN_WAIT_S to send their next requests, so that
+                # those join this forward rather than wait a whole forward longer.
                 self.answer_batch(*running)
                 rejoin = (len(backlog) + len(running[0]), time.perf_counter() + REJOIN_WAIT_S)
                 running = None
                 continue
+            if running is None and len(batch) >= 2 * ALTERNATING_RECORDS:
+                # The device is idle and the batch holds two groups' worth: its first half now, the rest queued right
+                # behind it (next turn of the loop), so that the first half's clients send their next requests while
+                # the device runs the second, and the two groups take turns from then on.
+                batch = batch[:len(batch) // 2]
             backlog = [job for job in backlog if job not in batch]
-            # More is waiting than one forward takes: the next forward is queued before the last one's records are
-            # answered, and the device runs it while the host answers (and the HTTP and preparing threads, woken by
-            # the answers, take Python's lock).
+            # More is waiting than one forward takes, or two groups take turns: the next forward is queued before the
+            # last one's records are answered, and the device runs it while the host answers (and the HTTP and
+            # preparing threads, woken by the answers, take Python's lock).
             queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
                 self.answer_batch(*running)
-            running = queued
+            running, running_ended = queued, False
 
     def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, ForwardInFlight] | None:
         forward_started = time.perf_counter()

@@ -269,6 +269,84 @@ def test_a_forward_s_worth_waiting_is_not_held_for_the_answered_clients(loaded, 
     assert held.batches == [["r0"], ["r1"]]
 
 
+class GatedEnds:
+    """Stands in for the device's clock: each forward queued on the (CPU) model ends only when the test opens its
+    gate, as a GPU forward ends after queue_forward has returned."""
+
+    def __init__(self, monkeypatch):
+        self.gates = []  # one threading.Event per forward, in the order queued
+        self.all_open = False  # once the test is over: every forward, later ones too, ends at once
+        queue_forward = serve_clef.queue_forward
+
+        def gated_queue_forward(loaded, encoded_records):
+            gate = threading.Event()
+            if self.all_open:
+                gate.set()
+            self.gates.append(gate)
+            return serve_clef.ForwardInFlight(queue_forward(loaded, encoded_records).host_logits, GatedEnd(gate))
+
+        monkeypatch.setattr(serve_clef, "queue_forward", gated_queue_forward)
+
+    def open_all(self) -> None:
+        self.all_open = True
+        for gate in self.gates:
+            gate.set()
+
+
+class GatedEnd:
+    def __init__(self, gate: threading.Event):
+        self.gate = gate
+
+    def synchronize(self) -> None:
+        assert self.gate.wait(TIMEOUT_S)
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_two_groups_take_turns_on_the_device(loaded, monkeypatch):
+    """A batch of two groups' worth on an idle device goes as two forwards, the second queued before the first's
+    records are answered; then, with a group's forward running and fewer than a group waiting, the scorer waits for
+    the forward to end, and the group that came meanwhile takes its turn before the ended forward is answered."""
+    monkeypatch.setattr(serve_clef, "ALTERNATING_RECORDS", 2)
+    with server_with_held_device(loaded, monkeypatch) as (base_url, held):
+        held.go.set()  # forwards run at once on the CPU; they end when their gates open
+        ends = GatedEnds(monkeypatch)
+        with answers_recorded(monkeypatch, held) as forwards_when_answered, ThreadPoolExecutor(max_workers=8) as pool:
+            try:
+                sent = [pool.submit(post, base_url, request_with_id(0))]
+                wait_for(lambda: len(ends.gates) == 1, "r0's forward was not queued")
+                for number in range(1, 5):  # in this order
+                    sent.append(pool.submit(post, base_url, request_with_id(number)))
+                    wait_until_queued(base_url, number + 1)
+                time.sleep(1.0)  # r1-r4 prepared and waiting: two groups' worth
+                ends.gates[0].set()
+                wait_for(lambda: len(ends.gates) == 3, "r1-r4 were not queued as two forwards")
+                assert held.batches == [["r0"], ["r1", "r2"], ["r3", "r4"]]
+                assert "r1" not in forwards_when_answered  # the second group was queued while the first still ran
+                sent.append(pool.submit(post, base_url, request_with_id(5)))
+                wait_until_queued(base_url, 5)  # r0 answered; r1-r5 in
+                ends.gates[1].set()  # r1 and r2 answered; r3 and r4 still run, r5 alone waits
+                wait_for(lambda: {"r1", "r2"} <= set(forwards_when_answered), "r1 and r2 were not answered")
+                sent.append(pool.submit(post, base_url, request_with_id(6)))
+                wait_until_queued(base_url, 4)  # r5 and r6 waiting beside r3 and r4
+                time.sleep(1.0)  # and prepared
+                assert len(ends.gates) == 3 and "r3" not in forwards_when_answered  # the scorer waits for r3's forward
+                ends.gates[2].set()
+                wait_for(lambda: len(ends.gates) == 4, "r5 and r6 were not queued")
+            finally:
+                ends.open_all()
+            responses = [future.result() for future in sent]
+    assert all(response.status_code == 200 for response in responses)
+    assert held.batches == [["r0"], ["r1", "r2"], ["r3", "r4"], ["r5", "r6"]]
+    # r5 and r6 took their turn before r3 and r4 were answered
+    assert forwards_when_answered == {"r0": 1, "r1": 3, "r2": 3, "r3": 4, "r4": 4, "r5": 4, "r6": 4}
+
+
 def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_the_scorer_goes_on(
         loaded, monkeypatch):
     """A fault of the device surfaces when the host waits for the forward (CUDA reports asynchronous faults there):
