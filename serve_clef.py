@@ -5006,14 +5006,16 @@ DISCONNECT_CHECK_S = 0.5  # how often a waiting request checks that its client i
 SERVER_SWITCH_INTERVAL_S = 0.001  # Python's lock handed between the server's threads this often (default 5 ms)
 # After answering a forward's records while less than a forward's worth waits, the scorer gives their clients this
 # long to send their next requests, so that those join the next forward instead of waiting a whole forward behind it
-# (a lone client, whose next request finds nothing else waiting, never waits for it). About three times what a lone
+# (a lone client, whose next request finds nothing else waiting, never waits for it); when two groups take turns
+# (below), as long for the group just answered to be back before it is queued. About three times what a lone
 # client's next request took to arrive and be prepared on the H200's host (5 ms); docs/benchmarks.md.
 REJOIN_WAIT_S = 0.015
 # Two groups of at least this many records take turns on the device instead of waiting for each other: while one
-# group's forward runs, the other's clients are answered and send their next requests, so the device does not idle
-# through their way back (on an H100's host 15-23 ms between forwards of 8-15 records); each turn costs a forward's
-# fixed work (about 10 ms). On an H100 (docs/benchmarks.md) 4 took 8 clients from 44.5-45.1k to 48.7k tokens/s and
-# 16 clients from 47.4k to 55.1k; 6 left 8 clients waiting for each other (45.5k) and took 16 to 55.5-55.8k.
+# group's forward runs, the other's clients are answered and send their next requests (the scorer queues them as soon
+# as they are all back, or REJOIN_WAIT_S has passed), so the device does not idle through their way back (15-23 ms
+# between forwards of 8-15 records on an H100's host); each turn costs a forward's fixed work (about 10 ms). On an H100
+# (docs/benchmarks.md) 4 took 8 clients from 45.4-45.5k to 49.0-49.4k tokens/s and 16 clients from 47.2k to
+# 55.3-55.8k; 6 left 8 clients waiting for each other.
 ALTERNATING_RECORDS = 4
 # Requests are prepared by this many threads, each with its own processor: a text request behind a video's 27 ms of
 # decoding and encoding no longer waits for it, and the tokenizer and the media decoders let go of Python's lock, so
@@ -5381,8 +5383,8 @@ class ClefService:
             taking_turns = running is not None and min(len(batch), len(running[0])) >= ALTERNATING_RECORDS
             if (running is not None and len(batch) == len(backlog) and not taking_turns and not running_ended
                     and len(running[0]) >= ALTERNATING_RECORDS):
-                # The running forward's group could take turns with the clients answered before it, who are sending
-                # their next requests meanwhile: choose once it has ended, with what has come by then.
+                # The running forward's group could take turns with the clients answered before it, but fewer than a
+                # group of them have sent again within REJOIN_WAIT_S: choose once it has ended, with what came by then.
                 with contextlib.suppress(Exception):  # a fault of the device: answering the forward reports it
                     running[2].wait()
                 running_ended = True
@@ -5407,6 +5409,8 @@ class ClefService:
             queued = self.queue_batch(batch) if batch else None  # none: every waiting request went away
             if running is not None:
                 self.answer_batch(*running)
+                if taking_turns:  # the group just answered takes the next turn, queued as soon as its clients are back
+                    rejoin = (len(running[0]), time.perf_counter() + REJOIN_WAIT_S)
             running, running_ended = queued, False
 
     def queue_batch(self, batch: list[DecisionJob]) -> tuple[list[DecisionJob], float, ForwardInFlight] | None:

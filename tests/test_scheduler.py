@@ -310,9 +310,12 @@ def wait_for(condition, what: str) -> None:
 
 def test_two_groups_take_turns_on_the_device(loaded, monkeypatch):
     """A batch of two groups' worth on an idle device goes as two forwards, the second queued before the first's
-    records are answered; then, with a group's forward running and fewer than a group waiting, the scorer waits for
-    the forward to end, and the group that came meanwhile takes its turn before the ended forward is answered."""
+    records are answered. Then the groups take turns: a group answered while the other's forward runs is queued as
+    soon as its clients have sent again, before that forward ends; when fewer than a group sent again in time, the
+    scorer waits for the running forward to end, and what came meanwhile takes its turn before that forward's records
+    are answered."""
     monkeypatch.setattr(serve_clef, "ALTERNATING_RECORDS", 2)
+    monkeypatch.setattr(serve_clef, "REJOIN_WAIT_S", 2.0)  # long enough for any machine's round trip
     with server_with_held_device(loaded, monkeypatch) as (base_url, held):
         held.go.set()  # forwards run at once on the CPU; they end when their gates open
         ends = GatedEnds(monkeypatch)
@@ -328,23 +331,31 @@ def test_two_groups_take_turns_on_the_device(loaded, monkeypatch):
                 wait_for(lambda: len(ends.gates) == 3, "r1-r4 were not queued as two forwards")
                 assert held.batches == [["r0"], ["r1", "r2"], ["r3", "r4"]]
                 assert "r1" not in forwards_when_answered  # the second group was queued while the first still ran
-                sent.append(pool.submit(post, base_url, request_with_id(5)))
-                wait_until_queued(base_url, 5)  # r0 answered; r1-r5 in
-                ends.gates[1].set()  # r1 and r2 answered; r3 and r4 still run, r5 alone waits
+                ends.gates[1].set()  # r1 and r2 answered while r3 and r4 run; their clients send again
                 wait_for(lambda: {"r1", "r2"} <= set(forwards_when_answered), "r1 and r2 were not answered")
-                sent.append(pool.submit(post, base_url, request_with_id(6)))
-                wait_until_queued(base_url, 4)  # r5 and r6 waiting beside r3 and r4
+                for number in (5, 6):  # in this order
+                    sent.append(pool.submit(post, base_url, request_with_id(number)))
+                    wait_until_queued(base_url, number - 2)  # r3 and r4 in a forward, r5 (and r6) sent
+                wait_for(lambda: len(ends.gates) == 4, "r5 and r6 were not queued while r3 and r4 ran")
+                assert held.batches[3] == ["r5", "r6"] and not ends.gates[2].is_set()
+                ends.gates[2].set()  # r3 and r4 answered; only one of their clients sends again in time
+                wait_for(lambda: {"r3", "r4"} <= set(forwards_when_answered), "r3 and r4 were not answered")
+                sent.append(pool.submit(post, base_url, request_with_id(7)))
+                time.sleep(serve_clef.REJOIN_WAIT_S + 0.5)  # the wait for r3's and r4's clients is over
+                sent.append(pool.submit(post, base_url, request_with_id(8)))
+                wait_until_queued(base_url, 4)  # r7 and r8 waiting beside r5 and r6
                 time.sleep(1.0)  # and prepared
-                assert len(ends.gates) == 3 and "r3" not in forwards_when_answered  # the scorer waits for r3's forward
-                ends.gates[2].set()
-                wait_for(lambda: len(ends.gates) == 4, "r5 and r6 were not queued")
+                assert len(ends.gates) == 4 and "r5" not in forwards_when_answered  # waiting for r5's forward
+                ends.gates[3].set()
+                wait_for(lambda: len(ends.gates) == 5, "r7 and r8 were not queued")
             finally:
                 ends.open_all()
             responses = [future.result() for future in sent]
     assert all(response.status_code == 200 for response in responses)
-    assert held.batches == [["r0"], ["r1", "r2"], ["r3", "r4"], ["r5", "r6"]]
-    # r5 and r6 took their turn before r3 and r4 were answered
-    assert forwards_when_answered == {"r0": 1, "r1": 3, "r2": 3, "r3": 4, "r4": 4, "r5": 4, "r6": 4}
+    assert held.batches == [["r0"], ["r1", "r2"], ["r3", "r4"], ["r5", "r6"], ["r7", "r8"]]
+    # r5 and r6 were queued before r3 and r4 were answered, r7 and r8 before r5 and r6
+    assert forwards_when_answered == {"r0": 1, "r1": 3, "r2": 3, "r3": 4, "r4": 4, "r5": 5, "r6": 5, "r7": 5,
+                                      "r8": 5}
 
 
 def test_a_device_fault_surfacing_in_a_forward_s_wait_gets_its_requests_500_and_the_scorer_goes_on(
