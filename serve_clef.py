@@ -5381,15 +5381,14 @@ class ClefService:
                     batch.append(job)
                     tokens += job.prepared.tokens
             taking_turns = running is not None and min(len(batch), len(running[0])) >= ALTERNATING_RECORDS
-            if (running is not None and len(batch) == len(backlog) and not taking_turns and not running_ended
-                    and len(running[0]) >= ALTERNATING_RECORDS):
-                # The running forward's group could take turns with the clients answered before it, but fewer than a
-                # group of them have sent again within REJOIN_WAIT_S: choose once it has ended, with what came by then.
-                with contextlib.suppress(Exception):  # a fault of the device: answering the forward reports it
-                    running[2].wait()
-                running_ended = True
-                continue
             if running is not None and len(batch) == len(backlog) and not taking_turns:
+                if len(running[0]) >= ALTERNATING_RECORDS and not running_ended:
+                    # The running forward's group could take turns with the clients answered before it, but fewer than
+                    # a group of them sent again within REJOIN_WAIT_S: choose once it has ended, with what came by then.
+                    with contextlib.suppress(Exception):  # a fault of the device: answering the forward reports it
+                        running[2].wait()
+                    running_ended = True
+                    continue
                 # Everything waiting fits in one forward, and it or the running forward is small: answer the running
                 # one's records first, and give their clients REJOIN_WAIT_S to send their next requests, so that
                 # those join this forward rather than wait a whole forward longer.
