@@ -7,6 +7,7 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -58,13 +59,19 @@ def post(base_url: str, body: dict) -> requests.Response:
     return requests.post(f"{base_url}/v1/systemone", json=body, timeout=TIMEOUT_S)
 
 
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Until `condition()` holds; fails with `what` after TIMEOUT_S."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def wait_until_queued(base_url: str, requests_queued: int) -> None:
     """Until the server holds this many requests (waiting or in a forward): what was sent so far has arrived."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while metric_value(requests.get(f"{base_url}/metrics", timeout=TIMEOUT_S).text,
-                       "serve_clef_queue_depth") < requests_queued:
-        assert time.monotonic() < deadline, f"{requests_queued} requests did not arrive"
-        time.sleep(0.02)
+    wait_for(lambda: metric_value(requests.get(f"{base_url}/metrics", timeout=TIMEOUT_S).text,
+                                  "serve_clef_queue_depth") >= requests_queued,
+             f"{requests_queued} requests did not arrive")
 
 
 def test_waiting_requests_share_one_forward_within_the_token_budget(loaded, monkeypatch):
@@ -299,13 +306,6 @@ class GatedEnd:
 
     def synchronize(self) -> None:
         assert self.gate.wait(TIMEOUT_S)
-
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_two_groups_take_turns_on_the_device(loaded, monkeypatch):
