@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
-from test_loader import RELEASE_FILES, REQUEST, load, modelopt_export, nvfp4_export, raw_probabilities, w4a16_export
+from test_loader import RELEASE_FILES, load, nvfp4_export, raw_probabilities, w4a16_export
 from test_nvfp4 import random_packed_experts, reference_dequantize, reference_fake_quant, tiny_text_config
 
 import serve_clef
