@@ -286,11 +286,15 @@ class GatedEnds:
         queue_forward = serve_clef.queue_forward
 
         def gated_queue_forward(loaded, encoded_records):
+            # the gate is listed once the forward has run on the CPU (its batch recorded by HeldForward), so that a
+            # test which sees a forward's gate also sees its batch; opened if the test is over, checked after listing
+            # it so that open_all, which sets all_open before it walks the list, cannot miss it
+            host_logits = queue_forward(loaded, encoded_records).host_logits
             gate = threading.Event()
+            self.gates.append(gate)
             if self.all_open:
                 gate.set()
-            self.gates.append(gate)
-            return serve_clef.ForwardInFlight(queue_forward(loaded, encoded_records).host_logits, GatedEnd(gate))
+            return serve_clef.ForwardInFlight(host_logits, GatedEnd(gate))
 
         monkeypatch.setattr(serve_clef, "queue_forward", gated_queue_forward)
 
