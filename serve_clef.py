@@ -5013,9 +5013,9 @@ REJOIN_WAIT_S = 0.015
 # Two groups of at least this many records take turns on the device instead of waiting for each other: while one
 # group's forward runs, the other's clients are answered and send their next requests (the scorer queues them as soon
 # as they are all back, or REJOIN_WAIT_S has passed), so the device does not idle through their way back (15-23 ms
-# between forwards of 8-15 records on an H100's host); each turn costs a forward's fixed work (about 10 ms). On an H100
-# (docs/benchmarks.md) 4 took 8 clients from 45.4-45.5k to 49.0-49.4k tokens/s and 16 clients from 47.2k to
-# 55.3-55.8k; 6 left 8 clients waiting for each other.
+# between forwards of 8-15 records on an H100's host); each turn costs a forward's fixed work (8.6 ms of an H100's
+# 8.6 ms + 15.2 us a token). On an H100 (docs/benchmarks.md) 4 took 8 clients from 45.4-45.5k to 49.0-49.4k tokens/s
+# and 16 clients from 47.2k to 55.3-55.8k; 6 left 8 clients waiting for each other.
 ALTERNATING_RECORDS = 4
 # Requests are prepared by this many threads, each with its own processor: a text request behind a video's 27 ms of
 # decoding and encoding no longer waits for it, and the tokenizer and the media decoders let go of Python's lock, so
