@@ -3441,6 +3441,8 @@ def install_packed_decoder(thinker: torch.nn.Module) -> PackedTextDecoder:
         tower.config._attn_implementation = PACKED_ATTENTION  # not causal: they pass is_causal=False
         if type(tower).__name__ == "Qwen3OmniMoeVisionEncoder":
             tower.register_forward_pre_hook(vision_inputs_from_host_grids, with_kwargs=True)
+        elif all(hasattr(sys.modules[type(tower).__module__], helper) for helper in AUDIO_WINDOW_HELPERS):
+            tower.register_forward_pre_hook(audio_inputs_from_host_lengths, with_kwargs=True)
         packed.tower_graphs.append(install_tower_steps(tower))
     return packed
 
@@ -3466,6 +3468,34 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
                   "interp_weights": host_to_device(interp_weights, device),
                   "position_ids": host_to_device(position_ids, device),
                   "cu_seqlens": host_to_device(cu_seqlens, device), "max_seqlen": max_seqlen}
+
+
+# transformers' helpers that cut the audio encoder's input into chunks and attention windows (in the encoder's module),
+# each of which takes its value precomputed from the encoder's keyword arguments
+AUDIO_WINDOW_HELPERS = ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens", "get_max_seqlen")
+
+
+def audio_inputs_from_host_lengths(tower: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of the audio encoder: its features cut into chunks, the frames of those chunks that its
+    convolutions keep, its attention windows' boundaries and their longest, computed by transformers' own helpers
+    from a host copy of the clips' lengths and handed to it as the precomputed inputs transformers accepts. Computed
+    inside the encoder from lengths on the device, they read values back ten times per forward with sound (a video's
+    soundtrack too), and each read makes the host wait until the GPU has run everything queued before it. Here the
+    lengths are read once, and the chunks are cut on the device at lengths known on the host."""
+    if "cu_seqlens" in kwargs:  # the caller computed them already
+        return args, kwargs
+    input_features = args[0] if args else kwargs["input_features"]  # [mel bins, frames of every clip]
+    feature_lens = args[1] if len(args) > 1 else kwargs["feature_lens"]  # [clips]: frames of each
+    helpers = sys.modules[type(tower).__module__]
+    host_lengths = host_values(feature_lens)  # [clips]
+    padded_feature, chunk_lengths = helpers.chunk_and_pad_features(input_features, host_lengths, tower.n_window)
+    valid_indices = helpers.get_valid_indices(chunk_lengths, tower.n_window)  # [kept frames]
+    cu_seqlens = helpers.get_audio_cu_seqlens(chunk_lengths, host_lengths, tower.n_window_infer, tower.n_window)
+    device = input_features.device
+    return args, {**kwargs, "padded_feature": padded_feature, "chunk_lengths": chunk_lengths,
+                  "valid_indices": host_to_device(valid_indices, device),
+                  "cu_seqlens": host_to_device(cu_seqlens, device),
+                  "max_seqlen": helpers.get_max_seqlen(cu_seqlens, tower.config)}
 
 
 # ---- the thinker's 3-D positions and placeholder masks, from host copies ---------------------------------------------

@@ -410,6 +410,44 @@ def test_the_vision_encoder_takes_its_positions_from_host_grids(loaded, png_byte
         assert all(torch.equal(a, b) for a, b in zip(hooked.deepstack_features, own.deepstack_features, strict=True))
 
 
+def test_the_audio_encoder_takes_its_chunks_and_windows_from_host_lengths(loaded, wav_bytes, monkeypatch):
+    """The audio encoder's pre-hook cuts its features into chunks and computes the frames its convolutions keep and
+    its attention windows from a host copy of the clips' lengths, and the encoder takes them as given; its outputs are
+    those it computes itself from the lengths (its forward called without the hook), for a clip of two chunks and one
+    of several attention windows."""
+    audio = next(tower for tower in serve_clef.thinker_towers(loaded.model.thinker)
+                 if type(tower).__name__ == "Qwen3OmniMoeAudioEncoder")
+    modeling = sys.modules[type(audio).__module__]  # where the encoder's forward looks its helpers up
+    given = {}  # helper: whether the encoder's forward found its value precomputed in its kwargs (its first call
+    # with kwargs: the hook calls the helpers without, and the layers pass their window length to get_max_seqlen)
+
+    def recording(helper, name, key):
+        def call(*args, kwargs=None, **options):
+            if kwargs is not None:
+                given.setdefault(name, key in kwargs)
+            return helper(*args, kwargs=kwargs, **options)
+        return call
+
+    for name, key in (("chunk_and_pad_features", "padded_feature"), ("get_valid_indices", "valid_indices"),
+                      ("get_audio_cu_seqlens", "cu_seqlens"), ("get_max_seqlen", "max_seqlen")):
+        monkeypatch.setattr(modeling, name, recording(getattr(modeling, name), name, key))
+    long_clip = synthetic_release.synthetic_wav(9.3, frequency=300.0)  # 930 frames: windows of 800 and the rest
+    request = {**REQUESTS[0], "audio": [data_url("audio/wav", wav_bytes), data_url("audio/wav", long_clip)]}
+    media = serve_clef.prepare(loaded, request, 4096).encoded.media
+    mask = torch.as_tensor(media["feature_attention_mask"]).bool()  # [clips, frames]
+    features = torch.as_tensor(media["input_features"]).permute(0, 2, 1)[mask].permute(1, 0)  # [mel, real frames]
+    lengths = mask.sum(1)  # [clips], as the thinker hands them over
+    assert len(audio._forward_pre_hooks) == 1
+    with torch.inference_mode():
+        given.clear()
+        hooked = audio(features, feature_lens=lengths)
+        assert given == dict.fromkeys(serve_clef.AUDIO_WINDOW_HELPERS, True)
+        given.clear()
+        own = audio.forward(features, feature_lens=lengths)  # no hook: computed inside, from the lengths
+        assert given == dict.fromkeys(serve_clef.AUDIO_WINDOW_HELPERS, False)
+    assert torch.equal(hooked.last_hidden_state, own.last_hidden_state)
+
+
 def test_placeholder_masks_are_transformers_own_with_the_count_checked_on_the_host(loaded, png_bytes,
                                                                                   mp4_with_audio_bytes):
     """placeholder_masks_checked_on_host against transformers' get_placeholder_mask on a batch with an image, a
