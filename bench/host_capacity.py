@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -116,12 +117,15 @@ def serve_real(args: argparse.Namespace, forwards: list) -> int:
     clock, marked, in_progress = DeviceClock(), [], []
     real_queue_forward, real_decoder_forward = serve_clef.queue_forward, serve_clef.PackedTextDecoder.forward
     real_prepare, real_answer = serve_clef.prepare, serve_clef.answer
-    prepared_at = {}  # id of an encoded record: when its preparation ended
+    prepared_at = {}  # id of a live encoded record: when its preparation ended
     answered_at = [None]  # when the last answer ended
 
     def timed_prepare(*args, **kwargs):
         prepared = real_prepare(*args, **kwargs)
-        prepared_at[id(prepared.encoded)] = time.perf_counter()
+        key = id(prepared.encoded)
+        prepared_at[key] = time.perf_counter()
+        # a record never forwarded (refused, its client gone) leaves no time behind for a later record at its address
+        weakref.finalize(prepared.encoded, prepared_at.pop, key, None)
         return prepared
 
     def timed_answer(*args, **kwargs):
