@@ -3175,7 +3175,10 @@ class PackedTextDecoder(torch.nn.Module):
         packed_positions = position_ids.flatten(1, 2)[:, real_rows]  # [P, T]
         # [D, V, H]: the features of the V visual tokens, in the packed order (padding is never visual)
         visual_features = None if deepstack_visual_embeds is None else torch.stack(deepstack_visual_embeds)
-        packed_visual = None if visual_features is None else visual_pos_masks.flatten()[real_rows]  # [T]
+        # the visual tokens' packed rows [V]: their count is the features', so no read-back finds it out (a boolean
+        # mask would wait here for the towers to run before the decoder could be queued)
+        visual_rows = None if visual_features is None else torch.nonzero_static(
+            visual_pos_masks.flatten()[real_rows], size=visual_features.shape[1]).squeeze(1)
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
         # boundaries: the records, then the padding up to the bucket as one more
@@ -3186,7 +3189,7 @@ class PackedTextDecoder(torch.nn.Module):
             deepstack = None
             if visual_features is not None:
                 deepstack = inputs_embeds.new_zeros(self.deepstack_layers, 1, total, hidden)  # [D, 1, T, H]
-                deepstack[:, 0, packed_visual] = visual_features
+                deepstack[:, 0, visual_rows] = visual_features
             packed_hidden = self.run_padded(packed_embeds[None], packed_positions[:, None], chunks, deepstack)[0]
         else:
             static_embeds, static_positions, static_chunks, static_deepstack, static_real_tokens, static_hidden = (
@@ -3201,7 +3204,7 @@ class PackedTextDecoder(torch.nn.Module):
                 all_deepstack[:, :, :self.deepstack_tokens].zero_()
             self.deepstack_tokens = 0
             if visual_features is not None:
-                static_deepstack[:, 0, :total][:, packed_visual] = visual_features
+                static_deepstack[:, 0, visual_rows] = visual_features
                 self.deepstack_tokens = total
             # a one-record batch's own graph, or where cuDNN's attention could not be captured, the bucket's other one
             graph = self.graphs.get((bucket, batch == 1)) or self.graphs.get((bucket, False))
