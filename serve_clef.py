@@ -3057,22 +3057,24 @@ def host_values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu() if host_copy is None else host_copy
 
 
-# The images' and videos' grids [N, 3] (patches in time, height and width) stay on the host: everything that reads them
-# reads them there (the vision encoder's pre-hook, vision_inputs_from_host_grids; the thinker's split of the vision
-# features by image, a `.tolist()`; its 3-D positions, rope_index_from_host), and a read of device grids right after
-# the vision tower is queued waits for the tower to run.
-HOST_GRIDS = frozenset(("image_grid_thw", "video_grid_thw"))
+# The images' and videos' grids [N, 3] (patches in time, height and width) and the sounds' frame masks [A, F] stay on
+# the host: everything that reads them reads them there, and a read of device values right after a tower is queued
+# waits for the tower to run. The grids: the vision encoder's pre-hook (vision_inputs_from_host_grids), the thinker's
+# split of the vision features by image (a `.tolist()`) and its 3-D positions (rope_index_from_host). The masks: the
+# thinker sums them into the sounds' lengths, which the audio encoder's pre-hook (audio_inputs_from_host_lengths) and
+# the 3-D positions read, and selects the sounds' real frames by them (torch copies the mask to the features' device).
+HOST_KEPT = frozenset(("image_grid_thw", "video_grid_thw", "feature_attention_mask"))
 
 
 def batch_to_device(value: Any, device: torch.device) -> Any:
     """A batch the decision module collated on the host (dicts and lists of tensors and other values) with every
-    tensor copied to `device` without waiting (host_to_device), but the grids (HOST_GRIDS). Collated straight onto the
-    device, each of its tensors, the media's among them, is a copy from pageable memory that holds the host until it
-    is done."""
+    tensor copied to `device` without waiting (host_to_device), but the grids and masks of HOST_KEPT. Collated
+    straight onto the device, each of its tensors, the media's among them, is a copy from pageable memory that holds
+    the host until it is done."""
     if isinstance(value, torch.Tensor):
         return host_to_device(value, device) if value.device.type == "cpu" else value
     if type(value) is dict:
-        return {key: item if key in HOST_GRIDS else batch_to_device(item, device) for key, item in value.items()}
+        return {key: item if key in HOST_KEPT else batch_to_device(item, device) for key, item in value.items()}
     if type(value) in (list, tuple):
         return type(value)(batch_to_device(item, device) for item in value)
     return value
@@ -3460,7 +3462,7 @@ def vision_inputs_from_host_grids(tower: torch.nn.Module, args: tuple, kwargs: d
     grid_thw = kwargs["grid_thw"] if "grid_thw" in kwargs else args[1]  # [N, 3]: N images or videos, t/h/w patches
     if "cu_seqlens" in kwargs:  # the caller computed them already
         return args, kwargs
-    host_grid = host_values(grid_thw)  # [N, 3] (the engine's batches keep them on the host: HOST_GRIDS)
+    host_grid = host_values(grid_thw)  # [N, 3] (the engine's batches keep them on the host: HOST_KEPT)
     interp_indices, interp_weights = vision_utils.get_vision_interpolation_indices_and_weights(
         host_grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size)
@@ -3677,7 +3679,7 @@ def placeholder_masks_checked_on_host(thinker: torch.nn.Module, input_ids: torch
     method of): the image, video and audio tokens' masks bool [B, L, 1], made on the device as transformers makes
     them, and its check that the image and video tokens are as many as their features, made on the host copy of the
     ids. transformers sums the mask on the device and reads the sum, which right after the vision tower is queued
-    waits for the tower to run (with the grids on the host, HOST_GRIDS, an image's forward then waits for nothing
+    waits for the tower to run (with the grids on the host, HOST_KEPT, an image's forward then waits for nothing
     until its decoder: 34.8 -> 33.4 ms on an H100, docs/benchmarks.md). Without ids, transformers' own."""
     if input_ids is None:
         return type(thinker).get_placeholder_mask(thinker, input_ids, inputs_embeds, image_features, video_features)

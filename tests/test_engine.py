@@ -178,9 +178,9 @@ def test_logits_to_host_keeps_each_record_s_questions_in_order():
 
 def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_requests):
     """The decision module's collation, made on the host and then moved, holds the same keys and records, and every
-    tensor (the media's among them) is moved, with its host copy kept for host reads, but the grids, which stay on the
-    host. Moved to the meta device, so that a tensor left behind on the host shows (a move to the CPU would hand back
-    the same tensors)."""
+    tensor (the media's among them) is moved, with its host copy kept for host reads, but the grids and the sounds'
+    frame masks, which stay on the host. Moved to the meta device, so that a tensor left behind on the host shows (a
+    move to the CPU would hand back the same tensors)."""
     encoded = [serve_clef.prepare(loaded, request, 4096).encoded for request in mixed_requests]
     batch = loaded.schema.collate_records(encoded, loaded.processor.tokenizer.pad_token_id, "cpu")
     moved = serve_clef.batch_to_device(batch, torch.device("meta"))
@@ -189,13 +189,13 @@ def test_batch_to_device_keeps_the_batch_s_structure_and_values(loaded, mixed_re
     assert batch["media"].keys() == moved["media"].keys() and "pixel_values_videos" in batch["media"]
     tensors = [(batch[key], moved[key]) for key in ("input_ids", "attention_mask")]
     for key, value in batch["media"].items():
-        if key in ("image_grid_thw", "video_grid_thw"):
+        if key in ("image_grid_thw", "video_grid_thw", "feature_attention_mask"):
             assert moved["media"][key] is value  # read on the host by all that read them
         elif isinstance(value, torch.Tensor):
             tensors.append((value, moved["media"][key]))
         else:
             assert moved["media"][key] == value
-    assert len(tensors) > 4 and "image_grid_thw" in batch["media"]  # the media's tensors are among them
+    assert len(tensors) > 4 and {"image_grid_thw", "feature_attention_mask"} <= batch["media"].keys()
     for host, on_device in tensors:
         assert on_device.device.type == "meta" and on_device.shape == host.shape and on_device.dtype == host.dtype
         assert serve_clef.host_values(on_device) is host
