@@ -3084,33 +3084,41 @@ def batch_to_device(value: Any, device: torch.device) -> Any:
 # seen. The joint head's row ids are a view into its packed index (HeadIndex.to), 16-byte aligned or not as the
 # request's spans fall: the load's warm-up compiled one variant, and the first request with the other paid ~220 ms for
 # the second (an H100, 2026-12-05, docs/benchmarks.md). One variant serves every alignment and count.
-@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr"])
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["row_ids_ptr", "real_rows_ptr"])
 def gather_host_rows_kernel(
     table_ptr,  # [V, D]: in pinned host memory, which CUDA maps into the device's address space
     row_ids_ptr,  # int64 [N]: on the device, 8-byte aligned
-    rows_ptr,  # [N, D]: out, on the device
-    num_rows, width, BLOCK_D: tl.constexpr,
+    real_rows_ptr,  # int64 [1] on the device (read when COUNTED): the rows from it on are padding
+    rows_ptr,  # [N, D]: out, on the device; the padding's rows zeros, read from nowhere
+    num_rows, width, BLOCK_D: tl.constexpr, COUNTED: tl.constexpr,
 ):
     rows = tl.program_id(0) * 4 + tl.arange(0, 4)  # [4]
     columns = tl.arange(0, BLOCK_D)  # [BD]
     inside = (rows < num_rows)[:, None] & (columns < width)[None, :]
+    read = inside
+    if COUNTED:
+        read = read & (rows < tl.load(real_rows_ptr))[:, None]
     row_ids = tl.load(row_ids_ptr + rows, mask=rows < num_rows, other=0)  # [4]
-    values = tl.load(table_ptr + row_ids[:, None] * width + columns[None, :], mask=inside)  # read over the bus
+    values = tl.load(table_ptr + row_ids[:, None] * width + columns[None, :], mask=read, other=0.0)  # over the bus
     tl.store(rows_ptr + rows.to(tl.int64)[:, None] * width + columns[None, :], values, mask=inside)
 
 
-def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_rows_to_device(table: torch.Tensor, row_ids: torch.Tensor, device: torch.device,
+                        real_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of a host table [V, D] on `device` -> [N, D]. On CUDA the table is in pinned memory (HostEmbedding pins
     it) and the device reads the rows it needs over the bus itself (gather_host_rows_kernel, row_ids [N] on the
     device): the host spends a launch, not a gather and a copy (5.5 ms of host time for the ~8,300 rows of a
-    16-record forward's token embeddings on an H100's host, docs/benchmarks.md). Elsewhere row_ids are on the host
-    and the rows a plain index_select."""
+    16-record forward's token embeddings on an H100's host, docs/benchmarks.md). real_rows (int64 [1] on the device,
+    or None: all are real): the rows from it on are padding, zeros on CUDA, not read over the bus (the joint head's
+    padded option tokens, most of its 1,024 slots for one request). Elsewhere row_ids are on the host and the rows a
+    plain index_select, the padding's included."""
     if device.type != "cuda":
         return torch.index_select(table, 0, row_ids).to(device)  # [N, D]
     row_ids = row_ids.reshape(-1)  # [N]
     rows = torch.empty(row_ids.numel(), table.shape[1], dtype=table.dtype, device=device)  # [N, D]
     gather_host_rows_kernel[(triton.cdiv(row_ids.numel(), 4),)](
-        table, row_ids, rows, row_ids.numel(), table.shape[1], BLOCK_D=triton.next_power_of_2(table.shape[1]))
+        table, row_ids, row_ids if real_rows is None else real_rows, rows, row_ids.numel(), table.shape[1],
+        BLOCK_D=triton.next_power_of_2(table.shape[1]), COUNTED=real_rows is not None)
     return rows
 
 
@@ -3967,13 +3975,16 @@ class HeadIndex(NamedTuple):
     record_ends: torch.Tensor  # [R] where each record's tokens end (padding slots: the last record's end)
     last_token_rows: torch.Tensor  # [R] each record's last token (the end of "DECISIONS:"); padding 0
     span_token_rows: torch.Tensor  # [S] the tokens of every question span, then of every option span; padding 0
-    span_offsets: torch.Tensor  # [Q + N + 1] where each span starts in span_token_rows: the Q question slots, the N
-    # option slots (padding slots empty), then one more span that takes the padding tokens
+    span_offsets: torch.Tensor  # [Q + N + 1] where each span starts in span_token_rows: the Q question slots (padding
+    # slots empty), the N option slots, then one more span; the padding option slots and that one share the padding
+    # tokens (padding_spans)
     option_token_ids: torch.Tensor  # [O] the token ids of every option span, span by span; padding 0
-    option_offsets: torch.Tensor  # [N + 1] where each option's span starts in option_token_ids; the last: padding
+    option_offsets: torch.Tensor  # [N + 1] where each option's span starts in option_token_ids, then one more span;
+    # the padding option slots and that one share the padding tokens
     question_records: torch.Tensor  # [Q] the record of each question; padding -1
     question_types: torch.Tensor  # [Q] rows of the head's type_embedding; padding 0
     option_questions: torch.Tensor  # [N] the question of each option; padding -1
+    option_token_count: torch.Tensor  # [1] the real ones of option_token_ids (the rest padding)
 
     def flat(self) -> torch.Tensor:
         """The parts laid end to end -> int64 [the index's size]."""
@@ -4005,6 +4016,16 @@ def head_slots_needed(records: list) -> HeadSlots:
                      sum(end - start for start, end in option_spans))
 
 
+def padding_spans(real_starts: np.ndarray, slots: int, real_tokens: int, token_slots: int) -> np.ndarray:
+    """Where spans start [slots + 1]: the real spans' starts, then the padding slots and one more span, which share the
+    padding tokens [real_tokens, token_slots) evenly. The head averages spans with embedding_bag, which sums a span
+    with one thread a column, one row after another: the padding in one span (835 rows for one request in the first
+    HEAD_GRAPH_SLOTS row) made each of its two calls take 0.12 ms on an H100 (docs/benchmarks.md)."""
+    shares = slots - len(real_starts) + 1  # the padding slots and the span after them
+    padding = token_slots - real_tokens
+    return np.concatenate([real_starts, real_tokens + padding * np.arange(shares) // shares]).astype(np.int64)
+
+
 def head_index(records: list, slots: HeadSlots) -> HeadIndex:
     """The HeadIndex of records (EncodedRecord-like) packed record after record, padded to `slots` (which must hold
     them), from their spans and lengths alone: nothing is read from the device."""
@@ -4029,8 +4050,9 @@ def head_index(records: list, slots: HeadSlots) -> HeadIndex:
         row[:len(values)] = values
         return row
 
-    span_offsets = np.concatenate([padded(span_starts[:questions], slots.questions, question_tokens),
-                                   padded(span_starts[questions:], slots.options, span_tokens), [span_tokens]])
+    span_offsets = np.concatenate([
+        padded(span_starts[:questions], slots.questions, question_tokens),
+        padding_spans(span_starts[questions:], slots.options, span_tokens, slots.span_tokens)])
     parts = (
         padded(ends, slots.records, ends[-1] if len(ends) else 0),
         padded(ends - 1, slots.records, 0),
@@ -4039,10 +4061,11 @@ def head_index(records: list, slots: HeadSlots) -> HeadIndex:
         padded(np.concatenate([np.asarray(record.input_ids[start:end], dtype=np.int64) for record in records
                                for question in record.questions for start, end in question.option_spans]
                               or [np.zeros(0, dtype=np.int64)]), slots.option_tokens, 0),
-        padded(np.cumsum(option_lengths) - option_lengths, slots.options + 1, option_tokens),
+        padding_spans(np.cumsum(option_lengths) - option_lengths, slots.options, option_tokens, slots.option_tokens),
         padded(record_of_question, slots.questions, -1),
         padded([question.question_type for record in records for question in record.questions], slots.questions, 0),
         padded(np.repeat(np.arange(questions), options_per_question), slots.options, -1),
+        np.array([option_tokens], dtype=np.int64),
     )
     return HeadIndex(*(torch.from_numpy(part) for part in parts))
 
@@ -4136,8 +4159,9 @@ class BatchedJointSchemaHead(torch.nn.Module):
         if output_embedding_weight.device == packed.device:
             option_rows = output_embedding_weight[index.option_token_ids]  # [O, H]
         else:
-            option_rows = host_rows_to_device(output_embedding_weight, index.option_token_ids if packed.is_cuda
-                                              else host_option_token_ids, packed.device)  # [O, H]
+            option_rows = host_rows_to_device(  # [O, H]; the padding slots' zeros on CUDA
+                output_embedding_weight, index.option_token_ids if packed.is_cuda else host_option_token_ids,
+                packed.device, real_rows=index.option_token_count)
         lexicals = span_means(option_rows, index.option_offsets)[:options]  # [N, H]
         option_questions = index.option_questions.clamp(min=0)  # [N]: padding slots read question 0
         question_records = index.question_records.clamp(min=0)  # [Q]: padding slots read record 0

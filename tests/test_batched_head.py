@@ -240,6 +240,28 @@ def test_the_index_holds_each_records_spans_and_ids():
     assert index.option_questions.tolist() == option_questions + [-1] * (slots.options - len(option_questions))
 
 
+def test_the_padding_tokens_are_shared_by_the_padding_spans():
+    """In the graphs' slots, the padding option slots and the span after them share the padding span tokens and
+    option tokens evenly (embedding_bag sums each span row after row), the real spans are as they were, and the count
+    of real option tokens is given."""
+    records = random_records(3)
+    needed = serve_clef.head_slots_needed(records)
+    slots = serve_clef.HEAD_GRAPH_SLOTS[0]
+    index = serve_clef.head_index(records, slots)
+    exact = serve_clef.head_index(records, needed)
+    for offsets, exact_offsets, real_spans, real_tokens, token_slots in (
+            (index.span_offsets[slots.questions:], exact.span_offsets[needed.questions:], needed.options,
+             needed.span_tokens, slots.span_tokens),
+            (index.option_offsets, exact.option_offsets, needed.options, needed.option_tokens, slots.option_tokens)):
+        assert offsets[:real_spans + 1].tolist() == exact_offsets[:real_spans + 1].tolist()  # the real spans
+        padding_lengths = (torch.cat([offsets[real_spans + 1:], torch.tensor([token_slots])])
+                           - offsets[real_spans:]).tolist()  # the padding slots' and the last span's
+        assert len(padding_lengths) == slots.options - needed.options + 1
+        assert sum(padding_lengths) == token_slots - real_tokens
+        assert max(padding_lengths) - min(padding_lengths) <= 1
+    assert index.option_token_count.tolist() == [needed.option_tokens]
+
+
 # ---- the head of a served model --------------------------------------------------------------------------------------
 
 REQUESTS = [  # three records of different lengths, every question type, 1 to 2 questions

@@ -668,5 +668,10 @@ def test_the_device_gathers_host_rows_as_index_select_does():
     for row_ids in (torch.tensor([0, 49, 7, 7, 3]), torch.randint(0, 50, (8,), generator=generator)):
         rows = torch.empty(row_ids.numel(), 24, dtype=torch.bfloat16)
         serve_clef.gather_host_rows_kernel[(serve_clef.triton.cdiv(row_ids.numel(), 4),)](
-            table, row_ids, rows, row_ids.numel(), 24, BLOCK_D=32)
+            table, row_ids, row_ids, rows, row_ids.numel(), 24, BLOCK_D=32, COUNTED=False)
         assert torch.equal(rows, torch.index_select(table, 0, row_ids))
+    # counted: the rows from the count on are padding, zeros whatever their ids
+    row_ids = torch.tensor([5, 9, 9, 1, 0, 0, 0])
+    rows = torch.full((7, 24), float("nan"), dtype=torch.bfloat16)
+    serve_clef.gather_host_rows_kernel[(2,)](table, row_ids, torch.tensor([3]), rows, 7, 24, BLOCK_D=32, COUNTED=True)
+    assert torch.equal(rows[:3], torch.index_select(table, 0, row_ids[:3])) and not rows[3:].any()
