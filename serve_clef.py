@@ -208,6 +208,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, WithJsonSchema, create_model,
                       model_validator)
 from pydantic.json_schema import models_json_schema
@@ -4078,6 +4079,33 @@ def blocked_attention(query_owners: torch.Tensor, key_owners: torch.Tensor, dtyp
     return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(blocked, -math.inf)
 
 
+# The head's attention (each option and field over its own record's tokens, by an additive mask over the batch's) on
+# CUDA: cuDNN's kernel first, then the others in torch's order. torch's own first choice for these masks, the
+# memory-efficient kernel, runs a program per 64 queries and head, each over every key: an 8-record head took 2.64 ms
+# with it and 1.60 ms with cuDNN's, a lone record's 0.89 and 0.80 ms, logits within 1.5 BF16 steps (an H100,
+# docs/benchmarks.md).
+HEAD_ATTENTION_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                           SDPBackend.MATH)
+
+
+@contextlib.contextmanager
+def head_attention_kernels(device: torch.device) -> Iterator[None]:
+    """The head's attention calls take HEAD_ATTENTION_BACKENDS in that order on CUDA (torch's choice elsewhere). torch
+    keeps its order of preference for the whole process, and sdpa_kernel puts back only the order of the kernels
+    enabled when it was entered, so the order as a whole is put back here: left changed, it changed the kernel of
+    other attention calls in the process (bench/check_engine_gpu.py's two runs of transformers' decoder, with
+    and without cuDNN's attention, then gave the same answers)."""
+    if device.type != "cuda":
+        yield
+        return
+    order = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel(list(HEAD_ATTENTION_BACKENDS), set_priority=True):
+            yield
+    finally:
+        torch._C._set_sdp_priority_order(order)
+
+
 def capped_logit_scale(parameter: torch.Tensor) -> torch.Tensor:
     return parameter.clamp(max=math.log(100.0)).exp()  # the head's learned logit scales: capped at 100, no lower bound
 
@@ -4173,8 +4201,9 @@ class BatchedJointSchemaHead(torch.nn.Module):
         evidence_mask = blocked_attention(option_records, token_records, memory.dtype)  # [N, T]
         for layer in head.evidence_layers:
             normed_memory = layer.memory_norm(memory)
-            attended = layer.attention(layer.query_norm(routed), normed_memory, normed_memory,
-                                       attn_mask=evidence_mask, need_weights=False)[0]
+            with head_attention_kernels(packed.device):
+                attended = layer.attention(layer.query_norm(routed), normed_memory, normed_memory,
+                                           attn_mask=evidence_mask, need_weights=False)[0]
             routed = routed + layer.attention_dropout(attended)
             routed = routed + layer.feedforward(layer.feedforward_norm(routed))
         routed = routed[0]  # [N, W]
@@ -4192,7 +4221,8 @@ class BatchedJointSchemaHead(torch.nn.Module):
         field_mask = blocked_attention(index.question_records, index.question_records, memory.dtype)  # [Q, Q]
         memory_mask = blocked_attention(index.question_records, token_records, memory.dtype)  # [Q, T]
         for layer in head.layers:
-            decoded = layer(decoded, memory, tgt_mask=field_mask, memory_mask=memory_mask)
+            with head_attention_kernels(packed.device):
+                decoded = layer(decoded, memory, tgt_mask=field_mask, memory_mask=memory_mask)
         fields = head.field_norm(decoded[0])  # [Q, W]
 
         # each option's logit: a lexical prior plus the gated agreement of its question's field with the option

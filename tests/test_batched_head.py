@@ -262,6 +262,26 @@ def test_the_padding_tokens_are_shared_by_the_padding_spans():
     assert index.option_token_count.tolist() == [needed.option_tokens]
 
 
+def test_the_head_s_attention_kernels_leave_torch_s_choice_as_it_was():
+    """On CUDA the head's attention prefers cuDNN's kernel; afterwards torch's order of preference and its enabled
+    kernels are exactly as before, also when cuDNN's was switched off (as bench/check_engine_gpu.py does between
+    runs). Only flags are set, so this runs without a GPU."""
+    order = torch._C._get_sdp_priority_order()
+    try:
+        for cudnn_enabled in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_enabled)
+            with serve_clef.head_attention_kernels(torch.device("cuda")):
+                assert torch.backends.cuda.cudnn_sdp_enabled()
+                assert torch._C._get_sdp_priority_order()[0] == int(serve_clef.SDPBackend.CUDNN_ATTENTION)
+            assert torch._C._get_sdp_priority_order() == order
+            assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_enabled
+        with serve_clef.head_attention_kernels(torch.device("cpu")):
+            assert torch._C._get_sdp_priority_order() == order
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch._C._set_sdp_priority_order(order)
+
+
 # ---- the head of a served model --------------------------------------------------------------------------------------
 
 REQUESTS = [  # three records of different lengths, every question type, 1 to 2 questions
