@@ -208,13 +208,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, WithJsonSchema, create_model,
                       model_validator)
 from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import vision_utils
 from transformers.integrations.moe import grouped_mm_experts_forward
 from typing_extensions import TypeAliasType
@@ -4199,13 +4199,13 @@ class BatchedJointSchemaHead(torch.nn.Module):
                    + head.option_question_projection(question_vectors)[option_questions])  # [N, W]
         routed = queries[None]  # [1, N, W]
         evidence_mask = blocked_attention(option_records, token_records, memory.dtype)  # [N, T]
-        for layer in head.evidence_layers:
-            normed_memory = layer.memory_norm(memory)
-            with head_attention_kernels(packed.device):
+        with head_attention_kernels(packed.device):
+            for layer in head.evidence_layers:
+                normed_memory = layer.memory_norm(memory)
                 attended = layer.attention(layer.query_norm(routed), normed_memory, normed_memory,
                                            attn_mask=evidence_mask, need_weights=False)[0]
-            routed = routed + layer.attention_dropout(attended)
-            routed = routed + layer.feedforward(layer.feedforward_norm(routed))
+                routed = routed + layer.attention_dropout(attended)
+                routed = routed + layer.feedforward(layer.feedforward_norm(routed))
         routed = routed[0]  # [N, W]
 
         # each question's summary of its routed options, weighted by a softmax over its own options
@@ -4220,8 +4220,8 @@ class BatchedJointSchemaHead(torch.nn.Module):
         decoded = fields[None]  # [1, Q, W]
         field_mask = blocked_attention(index.question_records, index.question_records, memory.dtype)  # [Q, Q]
         memory_mask = blocked_attention(index.question_records, token_records, memory.dtype)  # [Q, T]
-        for layer in head.layers:
-            with head_attention_kernels(packed.device):
+        with head_attention_kernels(packed.device):
+            for layer in head.layers:
                 decoded = layer(decoded, memory, tgt_mask=field_mask, memory_mask=memory_mask)
         fields = head.field_norm(decoded[0])  # [Q, W]
 
