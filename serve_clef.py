@@ -2969,6 +2969,110 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
     return table
 
 
+# The decoder's attention over several records, one program per chunk and query head (Triton; the tensor cores through
+# tl.dot). Flash attention's varlen kernel (FlashAttention-2, built for Ampere's mma.sync) ran a 16-record forward's
+# attention at ~125 TFLOP/s on an H100, about a third of what Hopper's wgmma gives; cuDNN's Hopper kernel takes only
+# one record per plan. A chunk's queries see every key of their record before the chunk's first query (no mask) and
+# the chunk's own keys up to themselves (causal): two loops. Online softmax in fp32 with base-2 exponentials, the
+# probabilities rounded to BF16 for their product with the values, as flash attention does.
+# Q queries of a chunk (QUERY_CHUNK), K keys a step, D head dimension.
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    keys: int  # K: keys a loop step
+    num_warps: int
+    num_stages: int
+
+
+PACKED_ATTENTION_TILES = AttentionTiles(keys=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _attend_block(query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, allowed, best, total,
+                  accumulator, scale_log2, INTERPRETED: tl.constexpr):
+    """One step of online softmax: the queries [Q, D] against keys `key_rows` [K] (allowed [Q, K] or None) ->
+    running max [Q], running sum [Q], accumulator [Q, D]."""
+    keys = tl.load(key_ptr + key_rows[None, :] * key_stride + head_dims[:, None])  # [D, K]
+    values = tl.load(value_ptr + key_rows[:, None] * value_stride + head_dims[None, :])  # [K, D]
+    if INTERPRETED:  # the interpreter's BF16 dots are wrong (the expert kernels' numerics note); fp32 gives the same
+        scores = tl.dot(query.to(tl.float32), keys.to(tl.float32))  # [Q, K]
+    else:
+        scores = tl.dot(query, keys)  # [Q, K]
+    scores = scores * scale_log2
+    if allowed is not None:
+        scores = tl.where(allowed, scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, axis=1))  # [Q]
+    probabilities = tl.exp2(scores - new_best[:, None])  # [Q, K]
+    correction = tl.exp2(best - new_best)  # [Q]
+    total = total * correction + tl.sum(probabilities, axis=1)
+    probabilities = probabilities.to(tl.bfloat16)
+    if INTERPRETED:
+        update = tl.dot(probabilities.to(tl.float32), values.to(tl.float32))  # [Q, D]
+    else:
+        update = tl.dot(probabilities, values)  # [Q, D]
+    return new_best, total, accumulator * correction[:, None] + update
+
+
+@triton.jit
+def packed_causal_attention_kernel(
+    query_ptr, key_ptr, value_ptr,  # BF16 [T, Hq, D], [T, Hkv, D], [T, Hkv, D]; the head dimension contiguous
+    out_ptr,  # BF16 [T, Hq, D], contiguous
+    chunks_ptr,  # int32 [3, C + 1]: query_chunks' table (query boundaries, first keys, key counts)
+    chunk_row,  # C + 1
+    query_stride, query_head_stride, key_stride, key_head_stride, value_stride, value_head_stride,
+    num_heads, scale_log2,  # Hq; the softmax scale times log2(e)
+    HEADS_PER_KEY: tl.constexpr,  # Hq / Hkv
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    head, chunk = tl.program_id(0), tl.program_id(1)  # the heads of a chunk side by side: its keys stay in L2
+    query_start = tl.load(chunks_ptr + chunk)
+    query_end = tl.load(chunks_ptr + chunk + 1)
+    first_key = tl.load(chunks_ptr + chunk_row + chunk)
+    if query_end > query_start:
+        head_dims = tl.arange(0, HEAD_DIM)  # [D]
+        query_rows = query_start + tl.arange(0, BLOCK_Q)  # [Q]
+        query = tl.load(query_ptr + query_rows[:, None] * query_stride + head * query_head_stride + head_dims[None, :],
+                        mask=(query_rows < query_end)[:, None], other=0.0)  # [Q, D]
+        key_ptr += (head // HEADS_PER_KEY) * key_head_stride
+        value_ptr += (head // HEADS_PER_KEY) * value_head_stride
+        best = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # [Q]
+        total = tl.zeros([BLOCK_Q], tl.float32)  # [Q]
+        accumulator = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)  # [Q, D]
+        # the record's keys before the chunk: every query sees them (the chunks start QUERY_CHUNK apart, so whole steps)
+        for key_start in range(first_key, query_start, BLOCK_K):
+            key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
+            best, total, accumulator = _attend_block(
+                query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, None, best, total,
+                accumulator, scale_log2, INTERPRETED)
+        # the chunk's own keys, each query up to itself
+        for key_start in range(query_start, query_end, BLOCK_K):
+            key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
+            allowed = (key_rows[None, :] <= query_rows[:, None]) & (key_rows < query_end)[None, :]  # [Q, K]
+            safe_rows = tl.minimum(key_rows, query_end - 1)  # past the chunk: read its last key, masked out
+            best, total, accumulator = _attend_block(
+                query, key_ptr, value_ptr, safe_rows, key_stride, value_stride, head_dims, allowed, best, total,
+                accumulator, scale_log2, INTERPRETED)
+        out = accumulator / total[:, None]
+        tl.store(out_ptr + (query_rows[:, None] * num_heads + head) * HEAD_DIM + head_dims[None, :],
+                 out.to(tl.bfloat16), mask=(query_rows < query_end)[:, None])
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """Causal attention within each record of a packed sequence, in the chunks of query_chunks' table (int32
+    [3, C + 1]): query [T, Hq, D], key and value [T, Hkv, D] (grouped-query heads, Hq a multiple of Hkv) -> [T, Hq, D].
+    Runs on CUDA and, under TRITON_INTERPRET=1, on CPU tensors."""
+    total, num_heads, head_dim = query.shape
+    tiles = PACKED_ATTENTION_TILES
+    out = torch.empty(total, num_heads, head_dim, dtype=torch.bfloat16, device=query.device)  # [T, Hq, D]
+    packed_causal_attention_kernel[(num_heads, chunks.shape[1] - 1)](
+        query, key, value, out, chunks, chunks.shape[1], query.stride(0), query.stride(1), key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), num_heads, scaling * math.log2(math.e),
+        HEADS_PER_KEY=num_heads // key.shape[1], HEAD_DIM=head_dim, BLOCK_Q=QUERY_CHUNK, BLOCK_K=tiles.keys,
+        INTERPRETED=not query.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
 def packed_records_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, *, is_causal: bool = True,
@@ -2998,11 +3102,7 @@ def packed_records_attention(
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
         if attention_chunks is not None:
-            query_starts, first_keys, key_counts = attention_chunks
-            attention = torch.ops.aten._flash_attention_forward(
-                packed_query, packed_key, packed_value, query_starts, first_keys, QUERY_CHUNK, total, 0.0,
-                True, False, scale=scaling, seqused_k=key_counts[:-1],
-            )[0]  # [T, Hq, D]
+            attention = packed_causal_attention(packed_query, packed_key, packed_value, attention_chunks, scaling)
         else:
             boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
             attention = torch.ops.aten._flash_attention_forward(

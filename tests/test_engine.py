@@ -149,6 +149,35 @@ def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causa
         serve_clef.query_chunks(boundaries, 5)
 
 
+def test_packed_causal_attention_kernel_is_each_record_s_causal_attention():
+    """The Triton kernel of the decoder's attention over several records (CUDA's path; here Triton's interpreter) on
+    the chunks of an empty record, a one-token record, a record of three chunks and the padding, with grouped heads and
+    q, k and v as the decoder passes them (views of [1, heads, T, D], token-major in memory), against fp32 SDPA run on
+    each record alone. The kernel rounds its probabilities to BF16 and its output too, as flash attention does: within
+    a few BF16 steps of outputs of about 1, where one key too many or too few moves a record's first outputs by
+    tenths."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [0, 1, 2 * serve_clef.QUERY_CHUNK + 9, 70]
+    total = sum(lengths) + 23  # the padding, as one more record
+    boundaries = [0, *itertools.accumulate(lengths), total]
+    chunks = torch.from_numpy(serve_clef.query_chunks(boundaries, 10))
+    # [1, T, heads, 16] in memory, viewed as [1, heads, T, 16]
+    query = torch.randn(1, total, 4, 16, generator=generator).to(torch.bfloat16).transpose(1, 2)
+    key, value = (torch.randn(1, total, 2, 16, generator=generator).to(torch.bfloat16).transpose(1, 2)
+                  for _ in range(2))
+    attention = serve_clef.packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                                   value[0].transpose(0, 1), chunks, 0.25)  # [T, 4, 16]
+    assert attention.shape == (total, 4, 16) and attention.dtype == torch.bfloat16
+    for start, end in itertools.pairwise(boundaries):
+        if start == end:
+            continue
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end].float(), key[:, :, start:end].float().repeat_interleave(2, 1),
+            value[:, :, start:end].float().repeat_interleave(2, 1), is_causal=True, scale=0.25)  # [1, 4, L, 16]
+        torch.testing.assert_close(attention[start:end].float(), alone[0].transpose(0, 1), atol=0.02, rtol=0.02)
+    assert torch.equal(attention[1], value[0, :, 1].repeat_interleave(2, 0))  # the one-token record: its own value
+
+
 def test_packed_attention_without_causality_is_attention_within_each_record():
     """The towers' call (is_causal=False): each record attends to all of its own tokens and to no other's."""
     generator = torch.Generator().manual_seed(1)
