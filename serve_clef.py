@@ -2979,12 +2979,13 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTiles:
-    keys: int  # K: keys a loop step
+    queries: int  # Q: queries a program, QUERY_CHUNK or a part of it
+    keys: int  # K: keys a loop step, at most Q
     num_warps: int
     num_stages: int
 
 
-PACKED_ATTENTION_TILES = AttentionTiles(keys=64, num_warps=4, num_stages=2)
+PACKED_ATTENTION_TILES = AttentionTiles(queries=128, keys=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -3024,8 +3025,9 @@ def packed_causal_attention_kernel(
     HEADS_PER_KEY: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    head, chunk = tl.program_id(0), tl.program_id(1)  # the heads of a chunk side by side: its keys stay in L2
-    query_start = tl.load(chunks_ptr + chunk)
+    # the heads of a chunk side by side: its keys stay in L2; part: which Q queries of the chunk
+    head, chunk, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_start = tl.load(chunks_ptr + chunk) + part * BLOCK_Q
     query_end = tl.load(chunks_ptr + chunk + 1)
     first_key = tl.load(chunks_ptr + chunk_row + chunk)
     if query_end > query_start:
@@ -3038,13 +3040,14 @@ def packed_causal_attention_kernel(
         best = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # [Q]
         total = tl.zeros([BLOCK_Q], tl.float32)  # [Q]
         accumulator = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)  # [Q, D]
-        # the record's keys before the chunk: every query sees them (the chunks start QUERY_CHUNK apart, so whole steps)
+        # the record's keys before these queries: every query sees them (whole steps: the chunks start QUERY_CHUNK
+        # apart, the parts Q apart, and K divides Q)
         for key_start in range(first_key, query_start, BLOCK_K):
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
             best, total, accumulator = _attend_block(
                 query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, None, best, total,
                 accumulator, scale_log2, INTERPRETED)
-        # the chunk's own keys, each query up to itself
+        # the queries' own keys, each query up to itself
         for key_start in range(query_start, query_end, BLOCK_K):
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
             allowed = (key_rows[None, :] <= query_rows[:, None]) & (key_rows < query_end)[None, :]  # [Q, K]
@@ -3065,10 +3068,10 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     total, num_heads, head_dim = query.shape
     tiles = PACKED_ATTENTION_TILES
     out = torch.empty(total, num_heads, head_dim, dtype=torch.bfloat16, device=query.device)  # [T, Hq, D]
-    packed_causal_attention_kernel[(num_heads, chunks.shape[1] - 1)](
+    packed_causal_attention_kernel[(num_heads, chunks.shape[1] - 1, QUERY_CHUNK // tiles.queries)](
         query, key, value, out, chunks, chunks.shape[1], query.stride(0), query.stride(1), key.stride(0),
         key.stride(1), value.stride(0), value.stride(1), num_heads, scaling * math.log2(math.e),
-        HEADS_PER_KEY=num_heads // key.shape[1], HEAD_DIM=head_dim, BLOCK_Q=QUERY_CHUNK, BLOCK_K=tiles.keys,
+        HEADS_PER_KEY=num_heads // key.shape[1], HEAD_DIM=head_dim, BLOCK_Q=tiles.queries, BLOCK_K=tiles.keys,
         INTERPRETED=not query.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

@@ -42,8 +42,9 @@ def fp32_reference(query, key, value, boundaries):
 def main() -> int:
     print(torch.cuda.get_device_name(), flush=True)
     generator = torch.Generator().manual_seed(0)
-    settings = [serve_clef.AttentionTiles(keys, warps, stages)
-                for keys in (64, 128) for warps in (4, 8) for stages in (1, 2, 3)]
+    settings = [serve_clef.AttentionTiles(queries, keys, warps, stages)
+                for queries in (64, 128) for keys in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)
+                if keys <= queries]
     served, failures = serve_clef.PACKED_ATTENTION_TILES, 0
     busy = {tiles: 0.0 for tiles in settings}  # us at 8 and 16 records
     for records in (1, 2, 4, 8, 16):
@@ -77,7 +78,7 @@ def main() -> int:
                 busy[tiles] += microseconds
             bad = error > 2 * flash_error
             failures += bad
-            line.append(f"K{tiles.keys}/w{tiles.num_warps}/s{tiles.num_stages} {microseconds:.1f} us "
+            line.append(f"Q{tiles.queries}/K{tiles.keys}/w{tiles.num_warps}/s{tiles.num_stages} {microseconds:.1f} us "
                         f"(err {error:.4f}{' TOO FAR' if bad else ''})")
         print(f"{records} records, {real} tokens (bucket {total}):\n  " + "\n  ".join(line), flush=True)
     fastest = min(settings, key=busy.get)
