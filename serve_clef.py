@@ -2985,7 +2985,7 @@ class AttentionTiles:
     num_stages: int
 
 
-PACKED_ATTENTION_TILES = AttentionTiles(queries=128, keys=64, num_warps=4, num_stages=2)
+PACKED_ATTENTION_TILES = AttentionTiles(queries=128, keys=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
