@@ -2985,7 +2985,7 @@ class AttentionTiles:
     num_stages: int
 
 
-PACKED_ATTENTION_TILES = AttentionTiles(queries=128, keys=64, num_warps=8, num_stages=2)
+PACKED_ATTENTION_TILES = AttentionTiles(queries=64, keys=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -3021,7 +3021,9 @@ def packed_causal_attention_kernel(
     chunks_ptr,  # int32 [3, C + 1]: query_chunks' table (query boundaries, first keys, key counts)
     chunk_row,  # C + 1
     query_stride, query_head_stride, key_stride, key_head_stride, value_stride, value_head_stride,
-    num_heads, scale_log2,  # Hq; the softmax scale times log2(e)
+    num_heads,  # Hq
+    # the softmax scale times log2(e): a constant, as torch.compile's launcher would pass a float argument as fp64
+    SCALE_LOG2: tl.constexpr,
     HEADS_PER_KEY: tl.constexpr,  # Hq / Hkv
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
@@ -3046,7 +3048,7 @@ def packed_causal_attention_kernel(
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
             best, total, accumulator = _attend_block(
                 query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, None, best, total,
-                accumulator, scale_log2, INTERPRETED)
+                accumulator, SCALE_LOG2, INTERPRETED)
         # the queries' own keys, each query up to itself
         for key_start in range(query_start, query_end, BLOCK_K):
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
@@ -3054,7 +3056,7 @@ def packed_causal_attention_kernel(
             safe_rows = tl.minimum(key_rows, query_end - 1)  # past the chunk: read its last key, masked out
             best, total, accumulator = _attend_block(
                 query, key_ptr, value_ptr, safe_rows, key_stride, value_stride, head_dims, allowed, best, total,
-                accumulator, scale_log2, INTERPRETED)
+                accumulator, SCALE_LOG2, INTERPRETED)
         out = accumulator / total[:, None]
         tl.store(out_ptr + (query_rows[:, None] * num_heads + head) * HEAD_DIM + head_dims[None, :],
                  out.to(tl.bfloat16), mask=(query_rows < query_end)[:, None])
@@ -3070,7 +3072,7 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     out = torch.empty(total, num_heads, head_dim, dtype=torch.bfloat16, device=query.device)  # [T, Hq, D]
     packed_causal_attention_kernel[(num_heads, chunks.shape[1] - 1, QUERY_CHUNK // tiles.queries)](
         query, key, value, out, chunks, chunks.shape[1], query.stride(0), query.stride(1), key.stride(0),
-        key.stride(1), value.stride(0), value.stride(1), num_heads, scaling * math.log2(math.e),
+        key.stride(1), value.stride(0), value.stride(1), num_heads, SCALE_LOG2=scaling * math.log2(math.e),
         HEADS_PER_KEY=num_heads // key.shape[1], HEAD_DIM=head_dim, BLOCK_Q=tiles.queries, BLOCK_K=tiles.keys,
         INTERPRETED=not query.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
