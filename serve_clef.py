@@ -2975,42 +2975,45 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
 # one record per plan. A chunk's queries see every key of their record before the chunk's first query (no mask) and
 # the chunk's own keys up to themselves (causal): two loops. Online softmax in fp32 with base-2 exponentials, the
 # probabilities rounded to BF16 for their product with the values, as flash attention does.
-# Q queries of a chunk (QUERY_CHUNK), K keys a step, D head dimension.
+# A program takes Q queries of G query heads that share one key-value head (the M = G x Q rows of its products), so
+# each key and value row it reads serves G heads. Q queries of a chunk, G heads together, M = G x Q rows, K keys a
+# step, D head dimension.
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTiles:
-    queries: int  # Q: queries a program, QUERY_CHUNK or a part of it
-    keys: int  # K: keys a loop step, at most Q
+    queries: int  # Q: QUERY_CHUNK or a part of it
+    heads: int  # G: query heads of one key-value head together
+    keys: int  # K
     num_warps: int
     num_stages: int
 
 
-PACKED_ATTENTION_TILES = AttentionTiles(queries=64, keys=32, num_warps=4, num_stages=2)
+PACKED_ATTENTION_TILES = AttentionTiles(queries=64, heads=1, keys=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
 def _attend_block(query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, allowed, best, total,
                   accumulator, scale_log2, INTERPRETED: tl.constexpr):
-    """One step of online softmax: the queries [Q, D] against keys `key_rows` [K] (allowed [Q, K] or None) ->
-    running max [Q], running sum [Q], accumulator [Q, D]."""
+    """One step of online softmax: the query rows [M, D] against keys `key_rows` [K] (allowed [M, K] or None) ->
+    running max [M], running sum [M], accumulator [M, D]."""
     keys = tl.load(key_ptr + key_rows[None, :] * key_stride + head_dims[:, None])  # [D, K]
     values = tl.load(value_ptr + key_rows[:, None] * value_stride + head_dims[None, :])  # [K, D]
     if INTERPRETED:  # the interpreter's BF16 dots are wrong (the expert kernels' numerics note); fp32 gives the same
-        scores = tl.dot(query.to(tl.float32), keys.to(tl.float32))  # [Q, K]
+        scores = tl.dot(query.to(tl.float32), keys.to(tl.float32))  # [M, K]
     else:
-        scores = tl.dot(query, keys)  # [Q, K]
+        scores = tl.dot(query, keys)  # [M, K]
     scores = scores * scale_log2
     if allowed is not None:
         scores = tl.where(allowed, scores, float("-inf"))
-    new_best = tl.maximum(best, tl.max(scores, axis=1))  # [Q]
-    probabilities = tl.exp2(scores - new_best[:, None])  # [Q, K]
-    correction = tl.exp2(best - new_best)  # [Q]
+    new_best = tl.maximum(best, tl.max(scores, axis=1))  # [M]
+    probabilities = tl.exp2(scores - new_best[:, None])  # [M, K]
+    correction = tl.exp2(best - new_best)  # [M]
     total = total * correction + tl.sum(probabilities, axis=1)
     probabilities = probabilities.to(tl.bfloat16)
     if INTERPRETED:
-        update = tl.dot(probabilities.to(tl.float32), values.to(tl.float32))  # [Q, D]
+        update = tl.dot(probabilities.to(tl.float32), values.to(tl.float32))  # [M, D]
     else:
-        update = tl.dot(probabilities, values)  # [Q, D]
+        update = tl.dot(probabilities, values)  # [M, D]
     return new_best, total, accumulator * correction[:, None] + update
 
 
@@ -3025,40 +3028,44 @@ def packed_causal_attention_kernel(
     # the softmax scale times log2(e): a constant, as torch.compile's launcher would pass a float argument as fp64
     SCALE_LOG2: tl.constexpr,
     HEADS_PER_KEY: tl.constexpr,  # Hq / Hkv
-    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    # the heads of a chunk side by side: its keys stay in L2; part: which Q queries of the chunk
-    head, chunk, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # head_group: G query heads; the head groups of a chunk side by side, so its keys stay in L2; part: which Q
+    # queries of the chunk
+    head_group, chunk, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_start = tl.load(chunks_ptr + chunk) + part * BLOCK_Q
-    query_end = tl.load(chunks_ptr + chunk + 1)
+    query_end = tl.minimum(tl.load(chunks_ptr + chunk + 1), query_start + BLOCK_Q)
     first_key = tl.load(chunks_ptr + chunk_row + chunk)
     if query_end > query_start:
         head_dims = tl.arange(0, HEAD_DIM)  # [D]
-        query_rows = query_start + tl.arange(0, BLOCK_Q)  # [Q]
-        query = tl.load(query_ptr + query_rows[:, None] * query_stride + head * query_head_stride + head_dims[None, :],
-                        mask=(query_rows < query_end)[:, None], other=0.0)  # [Q, D]
-        key_ptr += (head // HEADS_PER_KEY) * key_head_stride
-        value_ptr += (head // HEADS_PER_KEY) * value_head_stride
-        best = tl.full([BLOCK_Q], float("-inf"), tl.float32)  # [Q]
-        total = tl.zeros([BLOCK_Q], tl.float32)  # [Q]
-        accumulator = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)  # [Q, D]
-        # the record's keys before these queries: every query sees them (whole steps: the chunks start QUERY_CHUNK
-        # apart, the parts Q apart, and K divides Q)
-        for key_start in range(first_key, query_start, BLOCK_K):
+        row = tl.arange(0, HEADS * BLOCK_Q)  # [M]: head after head, each its Q queries
+        heads = head_group * HEADS + row // BLOCK_Q  # [M]
+        query_rows = query_start + row % BLOCK_Q  # [M]
+        query = tl.load(query_ptr + query_rows[:, None] * query_stride + heads[:, None] * query_head_stride
+                        + head_dims[None, :], mask=(query_rows < query_end)[:, None], other=0.0)  # [M, D]
+        key_ptr += (head_group * HEADS // HEADS_PER_KEY) * key_head_stride
+        value_ptr += (head_group * HEADS // HEADS_PER_KEY) * value_head_stride
+        best = tl.full([HEADS * BLOCK_Q], float("-inf"), tl.float32)  # [M]
+        total = tl.zeros([HEADS * BLOCK_Q], tl.float32)  # [M]
+        accumulator = tl.zeros([HEADS * BLOCK_Q, HEAD_DIM], tl.float32)  # [M, D]
+        # whole steps of the record's keys before these queries: every query sees them
+        unmasked_end = first_key + (query_start - first_key) // BLOCK_K * BLOCK_K
+        for key_start in range(first_key, unmasked_end, BLOCK_K):
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
             best, total, accumulator = _attend_block(
                 query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, None, best, total,
                 accumulator, SCALE_LOG2, INTERPRETED)
-        # the queries' own keys, each query up to itself
-        for key_start in range(query_start, query_end, BLOCK_K):
+        # the rest up to the last query, each query up to itself
+        for key_start in range(unmasked_end, query_end, BLOCK_K):
             key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
-            allowed = (key_rows[None, :] <= query_rows[:, None]) & (key_rows < query_end)[None, :]  # [Q, K]
-            safe_rows = tl.minimum(key_rows, query_end - 1)  # past the chunk: read its last key, masked out
+            allowed = (key_rows[None, :] <= query_rows[:, None]) & (key_rows < query_end)[None, :]  # [M, K]
+            safe_rows = tl.minimum(key_rows, query_end - 1)  # past the last query: read its key, masked out
             best, total, accumulator = _attend_block(
                 query, key_ptr, value_ptr, safe_rows, key_stride, value_stride, head_dims, allowed, best, total,
                 accumulator, SCALE_LOG2, INTERPRETED)
         out = accumulator / total[:, None]
-        tl.store(out_ptr + (query_rows[:, None] * num_heads + head) * HEAD_DIM + head_dims[None, :],
+        tl.store(out_ptr + (query_rows[:, None] * num_heads + heads[:, None]) * HEAD_DIM + head_dims[None, :],
                  out.to(tl.bfloat16), mask=(query_rows < query_end)[:, None])
 
 
@@ -3069,11 +3076,13 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     Runs on CUDA and, under TRITON_INTERPRET=1, on CPU tensors."""
     total, num_heads, head_dim = query.shape
     tiles = PACKED_ATTENTION_TILES
+    heads_per_key = num_heads // key.shape[1]
+    heads = math.gcd(tiles.heads, heads_per_key)  # a program's heads share their key-value head
     out = torch.empty(total, num_heads, head_dim, dtype=torch.bfloat16, device=query.device)  # [T, Hq, D]
-    packed_causal_attention_kernel[(num_heads, chunks.shape[1] - 1, QUERY_CHUNK // tiles.queries)](
+    packed_causal_attention_kernel[(num_heads // heads, chunks.shape[1] - 1, QUERY_CHUNK // tiles.queries)](
         query, key, value, out, chunks, chunks.shape[1], query.stride(0), query.stride(1), key.stride(0),
         key.stride(1), value.stride(0), value.stride(1), num_heads, SCALE_LOG2=scaling * math.log2(math.e),
-        HEADS_PER_KEY=num_heads // key.shape[1], HEAD_DIM=head_dim, BLOCK_Q=tiles.queries, BLOCK_K=tiles.keys,
+        HEADS_PER_KEY=heads_per_key, HEAD_DIM=head_dim, BLOCK_Q=tiles.queries, HEADS=heads, BLOCK_K=tiles.keys,
         INTERPRETED=not query.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
