@@ -1,6 +1,6 @@
 """Lab (branch lab/packed-attention, 2026-12-06): the decoder's attention over several records, flash attention's
 varlen kernel (served) against serve_clef's Triton kernel (packed_causal_attention) in several tile settings, on
-random full-size heads (32 query heads, 4 key-value heads, 128 dims) of 1, 2, 4, 8 and 16 records of 480-560 tokens
+random full-size heads (32 query heads, 4 key-value heads, 128 dims) of 1, 4, 8 and 16 records of 480-560 tokens
 packed into their bucket, the padding as one more record, chunks as the decoder makes them. Each output is compared
 with fp32 attention computed record by record (the largest absolute difference, both kernels), each timed in a CUDA
 graph (median us a layer); a lone record's cuDNN attention (as served for one record) for scale.
