@@ -2988,7 +2988,7 @@ class AttentionTiles:
     num_stages: int
 
 
-PACKED_ATTENTION_TILES = AttentionTiles(queries=64, heads=1, keys=32, num_warps=4, num_stages=2)
+PACKED_ATTENTION_TILES = AttentionTiles(queries=16, heads=8, keys=32, num_warps=8, num_stages=3)
 
 
 @triton.jit

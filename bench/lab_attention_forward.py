@@ -2,7 +2,7 @@
 once per tree (main in base/, then the branch) on the same machine: each batch's wall time as a request runs it
 (median of 7), its GPU busy time, kernel launches and largest kernels (torch.profiler), and its option logits, saved
 so that the second tree's run prints how far its answers are from the first's (probabilities, the largest
-difference).
+difference), and how far each batch's answers are from each of its records scored alone.
 
 Usage: python3 bench/lab_attention_forward.py NAME [OTHER_NAME]   (saves $OUT/NAME.pt; compares with OTHER_NAME.pt)
 """
@@ -18,6 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import serve_clef  # noqa: E402
 from bench_serve import text_request  # noqa: E402
 from profile_forward import profiled, unsynchronised_milliseconds  # noqa: E402
+
+
+def largest_difference(batch_a, batch_b) -> float:
+    return max(float((torch.softmax(a.float(), -1) - torch.softmax(b.float(), -1)).abs().max())
+               for record_a, record_b in zip(batch_a, batch_b) for a, b in zip(record_a, record_b))
 
 
 def main() -> int:
@@ -38,6 +43,10 @@ def main() -> int:
         wall = unsynchronised_milliseconds(loaded, encoded, repeats=7)
         profile = profiled(lambda: serve_clef.score_records(loaded, encoded))
         logits[records] = serve_clef.score_records(loaded, encoded)
+        if records > 1:  # against each record alone (its own graphs: cuDNN's attention, as served)
+            alone = [serve_clef.score_records(loaded, [record])[0] for record in encoded]
+            print(f"{records} records: batch against each record alone, largest probability difference "
+                  f"{largest_difference(logits[records], alone):.4f}")
         attention = [kernel for kernel in profile["top_kernels"] if "attention" in kernel[0].lower()
                      or "flash" in kernel[0].lower() or "fmha" in kernel[0].lower()]
         print(f"{records} records ({tokens} tokens): wall {wall} ms, GPU busy {profile['gpu_busy_ms']} ms, "
@@ -48,10 +57,8 @@ def main() -> int:
     if other:
         theirs = torch.load(out / f"{other}.pt")
         for records, ours in logits.items():
-            largest = max(float((torch.softmax(a.float(), -1) - torch.softmax(b.float(), -1)).abs().max())
-                          for record_a, record_b in zip(ours, theirs[records])
-                          for a, b in zip(record_a, record_b))
-            print(f"{records} records: answers against {other}: largest probability difference {largest:.4f}")
+            print(f"{records} records: answers against {other}: largest probability difference "
+                  f"{largest_difference(ours, theirs[records]):.4f}")
     return 0
 
 
