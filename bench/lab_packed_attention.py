@@ -5,7 +5,7 @@ packed into their bucket, the padding as one more record, chunks as the decoder 
 with fp32 attention computed record by record (the largest absolute difference, both kernels), each timed in a CUDA
 graph (median us a layer); a lone record's cuDNN attention (as served for one record) for scale.
 
-Usage: python3 bench/lab_packed_attention.py   (exit status 1 if a Triton output is further from fp32 than 2x flash's)
+Usage: python3 bench/lab_packed_attention.py [first|second]   (exit status 1 if a Triton output is further from fp32 than 2x flash's)
 """
 import bisect
 import json
@@ -21,6 +21,16 @@ import serve_clef  # noqa: E402
 from check_expert_kernels import graph_ms  # noqa: E402
 
 HEADS, KEY_HEADS, HEAD_DIM, SCALING = 32, 4, 128, 128 ** -0.5
+A = serve_clef.AttentionTiles
+# (queries, heads together, keys, warps, stages)
+SETTINGS = {
+    "first": [*((queries, heads, keys, 4, 2) for queries, heads in ((64, 1), (32, 2), (16, 4)) for keys in (32, 64)),
+              *((queries, heads, keys, 8, 2) for queries, heads in ((128, 1), (64, 2), (32, 4), (16, 8))
+                for keys in (32, 64)),
+              (16, 8, 32, 8, 3), (64, 2, 32, 8, 3)],
+    "second": [(16, 8, 32, 8, 3), (16, 8, 32, 8, 4), (16, 8, 16, 8, 3), (16, 8, 16, 8, 4), (32, 4, 32, 8, 3),
+               (32, 4, 32, 8, 4), (16, 4, 32, 4, 3), (32, 2, 32, 4, 3), (16, 8, 64, 8, 3), (8, 8, 32, 4, 3)],
+}
 
 
 def flash(query, key, value, chunks, total):
@@ -42,14 +52,10 @@ def fp32_reference(query, key, value, boundaries):
 def main() -> int:
     print(torch.cuda.get_device_name(), flush=True)
     generator = torch.Generator().manual_seed(0)
-    A = serve_clef.AttentionTiles
-    settings = ([A(queries, heads, keys, 4, 2) for queries, heads in ((64, 1), (32, 2), (16, 4)) for keys in (32, 64)]
-                + [A(queries, heads, keys, 8, 2) for queries, heads in ((128, 1), (64, 2), (32, 4), (16, 8))
-                   for keys in (32, 64)]
-                + [A(16, 8, 32, 8, 3), A(64, 2, 32, 8, 3)])
+    settings = [A(*setting) for setting in SETTINGS[sys.argv[1] if len(sys.argv) > 1 else "first"]]
     served, failures = serve_clef.PACKED_ATTENTION_TILES, 0
     busy = {tiles: 0.0 for tiles in settings}  # us at 8 and 16 records
-    for records in (1, 4, 8, 16):
+    for records in ((1, 4, 8, 16) if len(sys.argv) < 2 or sys.argv[1] == 'first' else (8, 16)):
         lengths = torch.randint(480, 561 if records < 16 else 512, (records,), generator=generator).tolist()
         real = sum(lengths)
         total = serve_clef.DECODER_BUCKETS[bisect.bisect_left(serve_clef.DECODER_BUCKETS, real)]
