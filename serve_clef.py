@@ -2910,7 +2910,7 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # A decision is one prefill of a few hundred to a few thousand tokens, and many arrive at once. The engine scores a
 # batch of B records in one forward of the thinker: the thinker embeds them as a right-padded batch, as transformers
 # does, and its text decoder (where nearly all the work is) runs them packed into one sequence of their real tokens,
-# T = the sum of their lengths, with attention kept within each record (varlen flash attention on CUDA; cuDNN's
+# T = the sum of their lengths, with attention kept within each record (a Triton kernel of our own on CUDA; cuDNN's
 # causal attention for a batch of one record, which nothing but padding follows). Every record keeps its own rotary
 # positions, and MoE routing is per token, so no record sees another or the padding.
 #
@@ -2929,15 +2929,12 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256),
                    *range(4608, 8192 + 1, 512))  # tokens
 MAX_RECORDS_PER_FORWARD = 32  # records in one forward (the graphs' attention chunks are counted for them)
-# The text decoder's attention over a batch of several records runs as chunks of at most QUERY_CHUNK queries of one
-# record, each with its record's keys up to its own last query: flash attention's varlen kernel takes chunk c's
-# queries from cum_seq_q[c], its keys from cum_seq_k[c] (the record's first token) and `seqused_k[c]` of them, and
-# with fewer queries than keys aligns the causal mask to the last key. Given the records whole, it launches
-# (longest record / 128) x records x heads programs, and the graphs must say "longest" before they know the batch
-# (the bucket: a 16-record forward in the 8,192-token bucket launched 67,584 programs for 2,048 blocks of queries);
-# given chunks, about one program per 128 queries and head. The products and their order are the same (128 is
-# the kernel's own block of queries), so the output is bit-identical; on an H100 the attention of a 16-record forward
-# took 12.6 instead of 14.7 ms of its GPU work (docs/benchmarks.md).
+# The text decoder's attention over a batch of several records runs in chunks of at most QUERY_CHUNK queries of one
+# record, each seeing its record's keys up to its own last query (packed_causal_attention_kernel, below). A graph's
+# grid is fixed before it knows the batch, and in chunks it covers about the real queries whatever the records'
+# lengths (flash attention's varlen kernel, served until 2026-12-06 and given the records whole, had launched (longest
+# record / 128) x records x heads programs, the longest being the bucket: chunks took a 16-record forward's attention
+# from 14.7 to 12.6 ms on an H100, docs/benchmarks.md).
 QUERY_CHUNK = 128
 # chunks of the largest bucket: each record, and the padding after them, may end one chunk early
 MAX_QUERY_CHUNKS = DECODER_BUCKETS[-1] // QUERY_CHUNK + MAX_RECORDS_PER_FORWARD + 1
@@ -2950,9 +2947,9 @@ PACKED_ATTENTION = "serve_clef_flash_varlen"
 
 def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
     """Boundaries of the records packed in a sequence ([0, ..., T], record i the tokens [b[i], b[i+1])) -> the text
-    decoder's attention chunks (QUERY_CHUNK's comment), int32 [3, chunks + 1]: the chunks' query boundaries (chunk c:
-    queries [q[c], q[c+1])), each chunk's first key (its record's first token) and its number of keys (up to its last
-    query). The chunks past the records' are empty, at T."""
+    decoder's attention chunks (QUERY_CHUNK's comment), int32 [2, chunks + 1]: the chunks' query boundaries (chunk c:
+    queries [q[c], q[c+1])) and each chunk's first key (its record's first token). The chunks past the records' are
+    empty, at T."""
     starts, first_keys = [], []
     for record_start, record_end in itertools.pairwise(boundaries):
         for start in range(record_start, record_end, QUERY_CHUNK):
@@ -2961,12 +2958,132 @@ def query_chunks(boundaries: list[int], chunks: int) -> np.ndarray:
     if len(starts) > chunks:
         raise ValueError(f"{len(starts)} attention chunks in a packed sequence sized for {chunks}")
     total = boundaries[-1]
-    table = np.full((3, chunks + 1), total, dtype=np.int32)  # [3, C + 1]
+    table = np.full((2, chunks + 1), total, dtype=np.int32)  # [2, C + 1]
     table[0, :len(starts)] = starts
     table[1, :len(starts)] = first_keys
-    table[2] = 0
-    table[2, :len(starts)] = np.append(starts[1:], total) - np.array(first_keys, dtype=np.int64)
     return table
+
+
+# The decoder's attention over several records (Triton, on the tensor cores through tl.dot). Flash attention's varlen
+# kernel, served until 2026-12-06, is FlashAttention-2, built on Ampere's mma.sync: it ran a 16-record forward's
+# attention at ~125 TFLOP/s on an H100. cuDNN's Hopper kernel (a lone record's, packed_records_attention) takes one
+# record per plan. A program takes Q queries of one chunk for G query heads that share a key-value head: M = G x Q rows
+# of its products, so each key and value row it reads serves G heads (Clef-Omni's 32 query heads share 4 key-value
+# heads). Its queries see every key of their record before their first (no mask) and the rest up to themselves
+# (causal): two loops. Online softmax in fp32 with base-2 exponentials, the probabilities rounded to BF16 for their
+# product with the values, as flash attention does. On an H100 a 16-record layer's attention took 131 instead of
+# flash's 245 us, its error against fp32 the same (docs/benchmarks.md).
+# Q queries of a chunk, G heads together, M = G x Q rows, K keys a step, D head dimension.
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    queries: int  # Q: QUERY_CHUNK or a part of it
+    heads: int  # G: query heads of one key-value head together
+    keys: int  # K
+    num_warps: int
+    num_stages: int
+
+
+# Swept on an H100 (26 settings, 1-16 records of ~500 tokens, docs/benchmarks.md): at 16 records several heads a
+# program beat one (131-139 against 156-158 us), steps of 32 keys beat 16 and 64 (by 15-25%), and the best settings
+# lie within 2% of each other.
+PACKED_ATTENTION_TILES = AttentionTiles(queries=16, heads=8, keys=32, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _attend_block(query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, allowed, best, total,
+                  accumulator, scale_log2, INTERPRETED: tl.constexpr):
+    """One step of online softmax: the query rows [M, D] against keys `key_rows` [K] (allowed [M, K] or None) ->
+    running max [M], running sum [M], accumulator [M, D]."""
+    keys = tl.load(key_ptr + key_rows[None, :] * key_stride + head_dims[:, None])  # [D, K]
+    values = tl.load(value_ptr + key_rows[:, None] * value_stride + head_dims[None, :])  # [K, D]
+    if INTERPRETED:  # the interpreter's BF16 dots are wrong (the expert kernels' numerics note); fp32 gives the same
+        scores = tl.dot(query.to(tl.float32), keys.to(tl.float32))  # [M, K]
+    else:
+        scores = tl.dot(query, keys)  # [M, K]
+    scores = scores * scale_log2
+    if allowed is not None:
+        scores = tl.where(allowed, scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, axis=1))  # [M]
+    probabilities = tl.exp2(scores - new_best[:, None])  # [M, K]
+    correction = tl.exp2(best - new_best)  # [M]
+    total = total * correction + tl.sum(probabilities, axis=1)
+    probabilities = probabilities.to(tl.bfloat16)
+    if INTERPRETED:
+        update = tl.dot(probabilities.to(tl.float32), values.to(tl.float32))  # [M, D]
+    else:
+        update = tl.dot(probabilities, values)  # [M, D]
+    return new_best, total, accumulator * correction[:, None] + update
+
+
+@triton.jit
+def packed_causal_attention_kernel(
+    query_ptr, key_ptr, value_ptr,  # BF16 [T, Hq, D], [T, Hkv, D], [T, Hkv, D]; the head dimension contiguous
+    out_ptr,  # BF16 [T, Hq, D], contiguous
+    chunks_ptr,  # int32 [2, C + 1]: query_chunks' table (query boundaries, first keys)
+    chunk_row,  # C + 1
+    query_stride, query_head_stride, key_stride, key_head_stride, value_stride, value_head_stride,
+    num_heads,  # Hq
+    # the softmax scale times log2(e): a constant, as torch.compile's launcher would pass a float argument as fp64
+    SCALE_LOG2: tl.constexpr,
+    HEADS_PER_KEY: tl.constexpr,  # Hq / Hkv
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    # head_group: G query heads; the head groups of a chunk side by side, so its keys stay in L2; part: which Q
+    # queries of the chunk
+    head_group, chunk, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_start = tl.load(chunks_ptr + chunk) + part * BLOCK_Q
+    query_end = tl.minimum(tl.load(chunks_ptr + chunk + 1), query_start + BLOCK_Q)
+    first_key = tl.load(chunks_ptr + chunk_row + chunk)
+    if query_end > query_start:
+        head_dims = tl.arange(0, HEAD_DIM)  # [D]
+        row = tl.arange(0, HEADS * BLOCK_Q)  # [M]: head after head, each its Q queries
+        heads = head_group * HEADS + row // BLOCK_Q  # [M]
+        query_rows = query_start + row % BLOCK_Q  # [M]
+        query = tl.load(query_ptr + query_rows[:, None] * query_stride + heads[:, None] * query_head_stride
+                        + head_dims[None, :], mask=(query_rows < query_end)[:, None], other=0.0)  # [M, D]
+        key_ptr += (head_group * HEADS // HEADS_PER_KEY) * key_head_stride
+        value_ptr += (head_group * HEADS // HEADS_PER_KEY) * value_head_stride
+        best = tl.full([HEADS * BLOCK_Q], float("-inf"), tl.float32)  # [M]
+        total = tl.zeros([HEADS * BLOCK_Q], tl.float32)  # [M]
+        accumulator = tl.zeros([HEADS * BLOCK_Q, HEAD_DIM], tl.float32)  # [M, D]
+        # whole steps of the record's keys before these queries: every query sees them
+        unmasked_end = first_key + (query_start - first_key) // BLOCK_K * BLOCK_K
+        for key_start in range(first_key, unmasked_end, BLOCK_K):
+            key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
+            best, total, accumulator = _attend_block(
+                query, key_ptr, value_ptr, key_rows, key_stride, value_stride, head_dims, None, best, total,
+                accumulator, SCALE_LOG2, INTERPRETED)
+        # the rest up to the last query, each query up to itself
+        for key_start in range(unmasked_end, query_end, BLOCK_K):
+            key_rows = key_start + tl.arange(0, BLOCK_K)  # [K]
+            allowed = (key_rows[None, :] <= query_rows[:, None]) & (key_rows < query_end)[None, :]  # [M, K]
+            safe_rows = tl.minimum(key_rows, query_end - 1)  # past the last query: read its key, masked out
+            best, total, accumulator = _attend_block(
+                query, key_ptr, value_ptr, safe_rows, key_stride, value_stride, head_dims, allowed, best, total,
+                accumulator, SCALE_LOG2, INTERPRETED)
+        out = accumulator / total[:, None]
+        tl.store(out_ptr + (query_rows[:, None] * num_heads + heads[:, None]) * HEAD_DIM + head_dims[None, :],
+                 out.to(tl.bfloat16), mask=(query_rows < query_end)[:, None])
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """Causal attention within each record of a packed sequence, in the chunks of query_chunks' table (int32
+    [2, C + 1]): query [T, Hq, D], key and value [T, Hkv, D] (grouped-query heads, Hq a multiple of Hkv) -> [T, Hq, D].
+    Runs on CUDA and, under TRITON_INTERPRET=1, on CPU tensors."""
+    total, num_heads, head_dim = query.shape
+    tiles = PACKED_ATTENTION_TILES
+    heads_per_key = num_heads // key.shape[1]
+    heads = math.gcd(tiles.heads, heads_per_key)  # a program's heads share their key-value head
+    out = torch.empty(total, num_heads, head_dim, dtype=torch.bfloat16, device=query.device)  # [T, Hq, D]
+    packed_causal_attention_kernel[(num_heads // heads, chunks.shape[1] - 1, QUERY_CHUNK // tiles.queries)](
+        query, key, value, out, chunks, chunks.shape[1], query.stride(0), query.stride(1), key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), num_heads, SCALE_LOG2=scaling * math.log2(math.e),
+        HEADS_PER_KEY=heads_per_key, HEAD_DIM=head_dim, BLOCK_Q=tiles.queries, HEADS=heads, BLOCK_K=tiles.keys,
+        INTERPRETED=not query.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
 
 
 def packed_records_attention(
@@ -2976,19 +3093,22 @@ def packed_records_attention(
     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention within each record of a packed sequence, transformers' attention-function signature. The text
-    decoder passes its chunks (attention_chunks, int32 [3, C + 1], as `query_chunks` makes them; causal);
+    decoder passes its chunks (attention_chunks, int32 [2, C + 1], as `query_chunks` makes them; causal);
     the towers pass their sequences' boundaries (cu_seq_lens_q [B + 1], repeats being empty sequences, and
     max_length_q, the longest or more) and is_causal=False.
 
-    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv) -> [1, T, Hq, D]. On CUDA:
-    flash attention's varlen kernel, which takes the grouped heads as they are and builds no plan per length (aten's
-    op, as torch.nn.attention.varlen calls it: that wrapper's signature differs across torch 2.10-2.12 and 2.9 lacks
-    it). Elsewhere: the same attention spelled out as SDPA with a mask (how CPU tests check the packing).
+    query [1, Hq, T, D], key and value [1, Hkv, T, D] (grouped-query: Hq a multiple of Hkv) -> [1, T, Hq, D]. On CUDA,
+    neither builds a plan per length: the decoder's chunks take packed_causal_attention, the towers flash attention's
+    varlen kernel, which takes the grouped heads as they are (aten's op, as torch.nn.attention.varlen calls it: that
+    wrapper's signature differs across torch 2.10-2.12 and 2.9 lacks it). Elsewhere: the same attention spelled out as
+    SDPA with a mask (how CPU tests check the packing).
 
     one_record (the text decoder's graphs of a one-record batch, PackedTextDecoder): the sequence is one record
     followed by padding, so plain causal attention keeps the record to itself, and cuDNN's fused attention runs it in
     about half flash varlen's time on an H200 (22 against 45 us at 576 tokens, 94 against 201 us at 2,176; it takes
-    the grouped heads as they are). cuDNN builds a plan per length (~150 ms), which the graphs build once, at load.
+    the grouped heads as they are), and in less than packed_causal_attention's on an H100 (22.5 against 27 us at 576
+    tokens, where one record's chunks give the kernel too few programs to fill the GPU). cuDNN builds a plan per
+    length (~150 ms), which the graphs build once, at load.
     """
     if query.is_cuda and one_record:
         attention = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -2998,11 +3118,7 @@ def packed_records_attention(
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
         if attention_chunks is not None:
-            query_starts, first_keys, key_counts = attention_chunks
-            attention = torch.ops.aten._flash_attention_forward(
-                packed_query, packed_key, packed_value, query_starts, first_keys, QUERY_CHUNK, total, 0.0,
-                True, False, scale=scaling, seqused_k=key_counts[:-1],
-            )[0]  # [T, Hq, D]
+            attention = packed_causal_attention(packed_query, packed_key, packed_value, attention_chunks, scaling)
         else:
             boundaries = cu_seq_lens_q.to(torch.int32)  # flash attention's type (the towers' already)
             attention = torch.ops.aten._flash_attention_forward(
@@ -3148,7 +3264,7 @@ class PackedTextDecoder(torch.nn.Module):
         # one-record batches take cuDNN's attention (packed_records_attention)
         self.graphs = {}
         # inputs_embeds [1, L, H], position_ids [P, 1, L], the real tokens' count and then the attention's chunks
-        # [1 + 3 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
+        # [1 + 2 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
         # bucket (as views of their first L tokens): the graphs never run at the same time, and 40 buckets' own copies
         # would hold ~1 GiB at full size
         self.static_buffers = None
@@ -3196,7 +3312,7 @@ class PackedTextDecoder(torch.nn.Module):
         boundaries = [0, *itertools.accumulate(record_lengths), *([bucket] if bucket and bucket > total else [])]
         if bucket is None:  # longer than the largest graph: eagerly, unpadded
             chunks = host_to_device(torch.from_numpy(query_chunks(
-                boundaries, total // QUERY_CHUNK + batch)), inputs_embeds.device)  # [3, C + 1]
+                boundaries, total // QUERY_CHUNK + batch)), inputs_embeds.device)  # [2, C + 1]
             deepstack = None
             if visual_features is not None:
                 deepstack = inputs_embeds.new_zeros(self.deepstack_layers, 1, total, hidden)  # [D, 1, T, H]
@@ -3245,25 +3361,25 @@ class PackedTextDecoder(torch.nn.Module):
 
     def static_views(self, bucket: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The static buffers' views for `bucket`: inputs_embeds [1, L, H], position_ids [P, 1, L], the attention's
-        chunks [3, C + 1], the deepstack features [D, 1, L, H], the real tokens' count [1], and the hidden states
+        chunks [2, C + 1], the deepstack features [D, 1, L, H], the real tokens' count [1], and the hidden states
         [1, L, H] a graph writes. `like`: a device tensor of the decoder's dtype and hidden size."""
         if self.static_buffers is None:
             longest, hidden, dtype, device = self.buckets[-1], like.shape[-1], like.dtype, like.device
             self.static_buffers = (
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
                 torch.zeros(self.position_rows, 1, longest, dtype=torch.long, device=device),  # [P, 1, Lmax]
-                torch.zeros(1 + 3 * (MAX_QUERY_CHUNKS + 1), dtype=torch.int32, device=device),  # [1 + 3 (C + 1)]
+                torch.zeros(1 + 2 * (MAX_QUERY_CHUNKS + 1), dtype=torch.int32, device=device),  # [1 + 2 (C + 1)]
                 torch.zeros(self.deepstack_layers, 1, longest, hidden, dtype=dtype, device=device),  # [D, 1, Lmax, H]
                 torch.zeros(1, longest, hidden, dtype=dtype, device=device),  # [1, Lmax, H]
             )
         inputs_embeds, position_ids, counts, deepstack, hidden = self.static_buffers
-        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], counts[1:].view(3, -1), deepstack[:, :, :bucket],
+        return (inputs_embeds[:, :bucket], position_ids[..., :bucket], counts[1:].view(2, -1), deepstack[:, :, :bucket],
                 counts[:1], hidden[:, :bucket])
 
     def write_counts(self, real_tokens: int, boundaries: list[int]) -> None:
         """The static real tokens' count and attention chunks of the records packed with these boundaries, in one
         copy from the host."""
-        counts = np.concatenate([[real_tokens], query_chunks(boundaries, MAX_QUERY_CHUNKS).ravel()])  # [1 + 3 (C + 1)]
+        counts = np.concatenate([[real_tokens], query_chunks(boundaries, MAX_QUERY_CHUNKS).ravel()])  # [1 + 2 (C + 1)]
         self.static_buffers[2].copy_(host_to_device(torch.from_numpy(counts.astype(np.int32)),
                                                     self.static_buffers[2].device))
 
@@ -3271,7 +3387,7 @@ class PackedTextDecoder(torch.nn.Module):
                    deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
                    one_record: bool = False) -> torch.Tensor:
         """The decoder on packed inputs [1, L, H] (with deepstack features [D, 1, L, H], or None: none to add), its
-        attention in `chunks` (as `query_chunks` makes them, int32 [3, C + 1] on the device), so that nothing depends
+        attention in `chunks` (as `query_chunks` makes them, int32 [2, C + 1] on the device), so that nothing depends
         on the batch but the tensors' contents. real_tokens (int32 [1] on the device, or None: no padding): the
         tokens past it are padding, whose MoE pairs the packed experts skip. one_record: the inputs are one record and
         padding (packed_records_attention)."""

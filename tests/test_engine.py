@@ -111,9 +111,9 @@ def test_packed_attention_is_causal_attention_within_each_record():
         torch.testing.assert_close(packed[0, start:end], alone[0].transpose(0, 1))
 
 
-def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causal_attention():
-    """The chunk table as flash attention's varlen kernel reads it on the GPU: chunk c's queries [q[c], q[c+1]), its
-    keys the seqused_k[c] from k[c] on, causal aligned to the last key (torch's causal_lower_right). Chunk by chunk,
+def test_query_chunks_read_as_the_attention_kernel_reads_them_are_each_record_s_causal_attention():
+    """The chunk table as packed_causal_attention_kernel reads it on the GPU: chunk c's queries [q[c], q[c+1]), its
+    keys from k[c] up to its last query, causal aligned to the last key (torch's causal_lower_right). Chunk by chunk,
     that must be each record's own causal attention, with every query in exactly one chunk and no chunk across two
     records or longer than QUERY_CHUNK."""
     generator = torch.Generator().manual_seed(3)
@@ -121,8 +121,8 @@ def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causa
     boundaries = [0, chunk, chunk, 3 * chunk + 1, 3 * chunk + 40, 4 * chunk + 64]  # an empty record, a full chunk
     total = boundaries[-1]
     table = serve_clef.query_chunks(boundaries, 12)
-    assert table.shape == (3, 13) and table.dtype == np.int32
-    query_starts, first_keys, key_counts = table[0], table[1, :-1], table[2, :-1]
+    assert table.shape == (2, 13) and table.dtype == np.int32
+    query_starts, first_keys = table[0], table[1, :-1]
     assert query_starts[0] == 0 and (np.diff(query_starts) >= 0).all() and (query_starts[-1] == total)
     query, key, value = torch.randn(3, 1, 2, total, 8, generator=generator)
     expected = torch.empty(1, 2, total, 8)
@@ -134,19 +134,47 @@ def test_query_chunks_read_as_flash_attention_reads_them_are_each_record_s_causa
     for c in range(12):
         queries = slice(query_starts[c], query_starts[c + 1])
         if queries.start == queries.stop:
-            assert key_counts[c] == 0
             continue
         chunks_seen += 1
         record = max(i for i, b in enumerate(boundaries[:-1]) if b <= queries.start)
         assert queries.stop <= boundaries[record + 1] and queries.stop - queries.start <= chunk
-        keys = slice(first_keys[c], first_keys[c] + key_counts[c])
+        keys = slice(first_keys[c], queries.stop)
         chunked[:, :, queries] = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, queries], key[:, :, keys], value[:, :, keys], scale=0.25,
-            attn_mask=causal_lower_right(queries.stop - queries.start, int(key_counts[c])))
+            attn_mask=causal_lower_right(queries.stop - queries.start, keys.stop - keys.start))
     assert chunks_seen == 1 + 3 + 1 + 2  # 128 tokens; 257 in three chunks; 39; 152 in two (the empty record: none)
     torch.testing.assert_close(chunked, expected)
     with pytest.raises(ValueError, match="chunks"):
         serve_clef.query_chunks(boundaries, 5)
+
+
+def test_packed_causal_attention_kernel_is_each_record_s_causal_attention():
+    """The Triton kernel of the decoder's attention over several records (CUDA's path; here Triton's interpreter) on
+    the chunks of an empty record, a one-token record, a record of three chunks and the padding, with 16 query heads
+    on 2 key-value heads (8 a program at the served tiles, as Clef-Omni's 32 on 4) and q, k and v as the decoder passes
+    them (views of [1, heads, T, D], token-major in memory), against fp32 SDPA run on each record alone. The kernel
+    rounds its probabilities to BF16 and its output too, as flash attention does: within a few BF16 steps of outputs
+    of about 1, where one key too many or too few moves a record's first outputs by tenths."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = [0, 1, 2 * serve_clef.QUERY_CHUNK + 9, 70]
+    total = sum(lengths) + 23  # the padding, as one more record
+    boundaries = [0, *itertools.accumulate(lengths), total]
+    chunks = torch.from_numpy(serve_clef.query_chunks(boundaries, 10))
+    # [1, T, heads, 16] in memory, viewed as [1, heads, T, 16]
+    query = torch.randn(1, total, 16, 16, generator=generator).to(torch.bfloat16).transpose(1, 2)
+    key, value = (torch.randn(1, total, 2, 16, generator=generator).to(torch.bfloat16).transpose(1, 2)
+                  for _ in range(2))
+    attention = serve_clef.packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                                   value[0].transpose(0, 1), chunks, 0.25)  # [T, 16, 16]
+    assert attention.shape == (total, 16, 16) and attention.dtype == torch.bfloat16
+    for start, end in itertools.pairwise(boundaries):
+        if start == end:
+            continue
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end].float(), key[:, :, start:end].float().repeat_interleave(8, 1),
+            value[:, :, start:end].float().repeat_interleave(8, 1), is_causal=True, scale=0.25)  # [1, 16, L, 16]
+        torch.testing.assert_close(attention[start:end].float(), alone[0].transpose(0, 1), atol=0.02, rtol=0.02)
+    assert torch.equal(attention[1], value[0, :, 1].repeat_interleave(8, 0))  # the one-token record: its own value
 
 
 def test_packed_attention_without_causality_is_attention_within_each_record():
