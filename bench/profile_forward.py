@@ -8,8 +8,8 @@ queues the joint head while the device runs the decoder), and, as baselines in t
 changes: with the host waiting for the decoder before it queues the head (before the head's copies came from pinned
 memory), with the towers' attention as transformers runs it under SDPA (a call per image, frame or audio window,
 after a host read of their lengths), and with a one-record batch replaying the graph of batches of several records
-(flash varlen attention) instead of its own (cuDNN's). torch.profiler then gives the GPU's busy time, the kernels
-launched and the host's busiest operators, also for that last baseline.
+(serve_clef's packed attention kernel; flash varlen before 2026-12-06) instead of its own (cuDNN's). torch.profiler
+then gives the GPU's busy time, the kernels launched and the host's busiest operators, also for that last baseline.
 
 Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
 """
@@ -100,9 +100,9 @@ def unsynchronised_milliseconds(loaded, encoded_records: list, wait_before_head:
 
 
 @contextlib.contextmanager
-def one_record_on_flash_varlen(loaded):
-    """One-record batches replay the graphs of batches of several records (flash varlen attention), as before they
-    had graphs of their own (cuDNN's attention)."""
+def one_record_on_the_batch_graphs(loaded):
+    """One-record batches replay the graphs of batches of several records (their packed attention kernel), as before
+    they had graphs of their own (cuDNN's attention)."""
     decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
     served = dict(decoder.graphs)
     decoder.graphs.update({(bucket, True): graph for (bucket, one), graph in served.items() if not one})
@@ -155,14 +155,14 @@ def main() -> int:
             loaded, records, towers_attention="sdpa")
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
         if len(records) == 1:
-            with one_record_on_flash_varlen(loaded):
-                stages["whole, one record on flash varlen attention"] = unsynchronised_milliseconds(loaded, records)
+            with one_record_on_the_batch_graphs(loaded):
+                stages["whole, one record on the batch graphs"] = unsynchronised_milliseconds(loaded, records)
                 before = profiled(lambda: serve_clef.score_records(loaded, records))
-            profile["gpu_busy_ms_one_record_on_flash_varlen"] = before["gpu_busy_ms"]
+            profile["gpu_busy_ms_one_record_on_the_batch_graphs"] = before["gpu_busy_ms"]
         results[name] = {"tokens": tokens, "stages_ms": stages, **profile}
         print(f"{name} ({tokens} tokens): stages {stages}")
         print(f"    GPU busy {profile['gpu_busy_ms']} ms, {profile['kernel_launches']} kernel launches"
-              + (f" (one record on flash varlen: {profile['gpu_busy_ms_one_record_on_flash_varlen']} ms)"
+              + (f" (one record on the batch graphs: {profile['gpu_busy_ms_one_record_on_the_batch_graphs']} ms)"
                  if len(records) == 1 else ""))
         for kernel in profile["top_kernels"]:
             print("    kernel", kernel)

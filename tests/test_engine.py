@@ -1,9 +1,10 @@
 """The engine on CPU: records packed into one forward answer as each record alone through transformers' own text
 decoder, padding to a length bucket changes no answer, and `decide` answers as the decision module's `systemone()`.
 
-On a GPU the packed attention is flash attention's varlen kernel and the padded inputs are replayed from CUDA graphs
-(checked on the H200 by bench/check_engine_gpu.py); here attention is SDPA with a block-diagonal mask and the padded
-inputs run eagerly, which is what packing and padding themselves change.
+On a GPU the decoder's packed attention is serve_clef's Triton kernel (the towers': flash attention's varlen kernel)
+and the padded inputs are replayed from CUDA graphs (checked by bench/check_engine_gpu.py); here attention is SDPA
+with a block-diagonal mask and the padded inputs run eagerly, which is what packing and padding themselves change.
+The Triton kernel itself runs here under Triton's interpreter, against SDPA on each record.
 """
 
 import base64
@@ -552,10 +553,29 @@ def test_padding_to_a_bucket_keeps_every_answer(loaded, stock_loaded):
         assert largest_difference(response["answers"], reference["answers"]) <= ANSWER_NOISE
 
 
+def test_the_static_inputs_hold_the_count_and_chunk_table_the_graphs_read(loaded, monkeypatch):
+    """Besides its tensors, a graph reads the real tokens' count and the attention's chunk table from one static
+    buffer, which write_counts fills in one copy: static_views must show every bucket's graphs exactly what
+    query_chunks made, the table of a batch of fewer records leaving nothing of a longer one's behind."""
+    decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
+    monkeypatch.setattr(decoder, "static_buffers", None)  # buffers of its own, on the CPU
+    monkeypatch.setattr(decoder, "position_rows", decoder.position_rows or 3)
+    like = torch.zeros(1, 1, loaded.model.thinker.config.text_config.hidden_size, dtype=torch.bfloat16)
+    small, large = decoder.buckets[1], decoder.buckets[-1]
+    decoder.static_views(large, like)  # the buffers made, as before a capture or a replay
+    for real_tokens, boundaries in ((large - 7, [0, 5, 300, 301, large - 7, large]), (100, [0, 40, 100, small])):
+        decoder.write_counts(real_tokens, boundaries)
+        expected = torch.from_numpy(serve_clef.query_chunks(boundaries, serve_clef.MAX_QUERY_CHUNKS))  # [2, C + 1]
+        for bucket in (small, large):
+            _, _, chunks, _, count, _ = decoder.static_views(bucket, like)
+            assert count.tolist() == [real_tokens]
+            assert chunks.shape == expected.shape and torch.equal(chunks, expected)
+
+
 def test_one_record_batches_replay_their_own_graphs_and_tell_the_attention(loaded, monkeypatch):
     """On CUDA a bucket has two graphs: a batch of one record replays the one whose text-decoder attention was told
     `one_record` (cuDNN's causal attention, which is only right when nothing but padding follows the record), a
-    batch of several the other (varlen flash attention). Here fake graphs record which one a batch replays, and the
+    batch of several the other (packed_causal_attention). Here fake graphs record which one a batch replays, and the
     flag is followed through transformers' decoder into the attention calls."""
     decoder = next(m for m in loaded.model.modules() if isinstance(m, serve_clef.PackedTextDecoder))
     replayed = []
