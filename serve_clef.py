@@ -2998,21 +2998,16 @@ def _attend_block(query, key_ptr, value_ptr, key_rows, key_stride, value_stride,
     keys = tl.load(key_ptr + key_rows[None, :] * key_stride + head_dims[:, None])  # [D, K]
     values = tl.load(value_ptr + key_rows[:, None] * value_stride + head_dims[None, :])  # [K, D]
     if INTERPRETED:  # the interpreter's BF16 dots are wrong (the expert kernels' numerics note); fp32 gives the same
-        scores = tl.dot(query.to(tl.float32), keys.to(tl.float32))  # [M, K]
-    else:
-        scores = tl.dot(query, keys)  # [M, K]
-    scores = scores * scale_log2
+        query, keys, values = query.to(tl.float32), keys.to(tl.float32), values.to(tl.float32)
+    scores = tl.dot(query, keys) * scale_log2  # [M, K]
     if allowed is not None:
         scores = tl.where(allowed, scores, float("-inf"))
     new_best = tl.maximum(best, tl.max(scores, axis=1))  # [M]
     probabilities = tl.exp2(scores - new_best[:, None])  # [M, K]
     correction = tl.exp2(best - new_best)  # [M]
     total = total * correction + tl.sum(probabilities, axis=1)
-    probabilities = probabilities.to(tl.bfloat16)
-    if INTERPRETED:
-        update = tl.dot(probabilities.to(tl.float32), values.to(tl.float32))  # [M, D]
-    else:
-        update = tl.dot(probabilities, values)  # [M, D]
+    probabilities = probabilities.to(tl.bfloat16).to(values.dtype)  # BF16 values, as the tensor cores take them
+    update = tl.dot(probabilities, values)  # [M, D]
     return new_best, total, accumulator * correction[:, None] + update
 
 
