@@ -2923,11 +2923,12 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # and so does the packed decoder for batches longer than the largest bucket. Nothing in the graphed part reads a GPU
 # value on the host.
 
-# Steps of 64 tokens up to 1,024, then 128 up to 2,048, 256 up to 4,096 and 512 up to 8,192: a batch pays at most
-# ~12% padding past 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an
-# H200).
+# Steps of 64 tokens up to 1,024, then 128 up to 2,048 and 256 up to 8,192: a batch pays at most ~12% padding past
+# 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an H200). Past 4,096,
+# steps of 256 rather than 512 served 16 clients of ~512 tokens over HTTP 1.2% faster on an H100 (their forwards of 8
+# records, ~4,160 tokens, had padded to 4,608; docs/benchmarks.md), for 8 more buckets' graphs at load (~6 s).
 DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 4096 + 1, 256),
-                   *range(4608, 8192 + 1, 512))  # tokens
+                   *range(4352, 8192 + 1, 256))  # tokens
 MAX_RECORDS_PER_FORWARD = 32  # records in one forward (the graphs' attention chunks are counted for them)
 # The text decoder's attention over a batch of several records runs in chunks of at most QUERY_CHUNK queries of one
 # record, each seeing its record's keys up to its own last query (packed_causal_attention_kernel, below). A graph's
@@ -3260,8 +3261,8 @@ class PackedTextDecoder(torch.nn.Module):
         self.graphs = {}
         # inputs_embeds [1, L, H], position_ids [P, 1, L], the real tokens' count and then the attention's chunks
         # [1 + 2 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
-        # bucket (as views of their first L tokens): the graphs never run at the same time, and 40 buckets' own copies
-        # would hold ~1 GiB at full size
+        # bucket (as views of their first L tokens): the graphs never run at the same time, and 48 buckets' own copies
+        # would hold ~2.8 GiB at full size (20 KiB a token: embeddings, hidden, three deepstack rows)
         self.static_buffers = None
         # the packed experts' routing skips the padding's pairs while run_padded runs (PackedNVFP4Experts.real_tokens)
         self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
