@@ -3109,7 +3109,6 @@ def packed_records_attention(
         attention = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, False, 0.0, True, False, scale=scaling)[0]  # [1, Hq, T, D]
         return attention.transpose(1, 2), None
-    total = query.shape[2]
     if query.is_cuda:
         packed_query, packed_key, packed_value = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
         if attention_chunks is not None:
@@ -3121,7 +3120,7 @@ def packed_records_attention(
                 is_causal, False, scale=scaling,
             )[0]  # [T, Hq, D]
         return attention[None], None
-    positions = torch.arange(total, device=query.device)  # [T]
+    positions = torch.arange(query.shape[2], device=query.device)  # [T]
     if attention_chunks is not None:  # each query sees its chunk's keys up to itself
         chunk_of_token = torch.searchsorted(attention_chunks[0, 1:].long(), positions, right=True)  # [T]
         first_key = attention_chunks[1].long()[chunk_of_token]  # [T]
