@@ -3289,17 +3289,22 @@ class PackedTextDecoder(torch.nn.Module):
         record_lengths = [length] * batch if attention_mask is None else host_values(attention_mask).sum(-1).tolist()
         if batch > MAX_RECORDS_PER_FORWARD:
             raise ValueError(f"{batch} records in one forward; the engine takes at most {MAX_RECORDS_PER_FORWARD}")
-        # an index made on the host, because a boolean mask makes torch read the number of rows back from the device,
-        # which after the graph would keep the host from queueing the joint head while the decoder runs
-        real_rows = real_token_rows(record_lengths, length, inputs_embeds.device)  # [T]
-        packed_embeds = inputs_embeds.flatten(0, 1)[real_rows]  # [T, H]
-        packed_positions = position_ids.flatten(1, 2)[:, real_rows]  # [P, T]
+        packed_embeds, packed_positions = inputs_embeds.flatten(0, 1), position_ids.flatten(1, 2)  # [T, H], [P, T]
+        # No record padded (one alone, or all of one length): the batch's rows already are the packed rows, and the
+        # index, its upload and two gathers would cost 0.2 ms of host time before the graph (H100, docs/benchmarks.md)
+        real_rows = None
+        if sum(record_lengths) < batch * length:
+            # an index made on the host, because a boolean mask makes torch read the number of rows back from the
+            # device, which after the graph would keep the host from queueing the joint head while the decoder runs
+            real_rows = real_token_rows(record_lengths, length, inputs_embeds.device)  # [T]
+            packed_embeds, packed_positions = packed_embeds[real_rows], packed_positions[:, real_rows]
         # [D, V, H]: the features of the V visual tokens, in the packed order (padding is never visual)
         visual_features = None if deepstack_visual_embeds is None else torch.stack(deepstack_visual_embeds)
         # the visual tokens' packed rows [V]: their count is the features', so no read-back finds it out (a boolean
         # mask would wait here for the towers to run before the decoder could be queued)
         visual_rows = None if visual_features is None else torch.nonzero_static(
-            visual_pos_masks.flatten()[real_rows], size=visual_features.shape[1]).squeeze(1)
+            visual_pos_masks.flatten() if real_rows is None else visual_pos_masks.flatten()[real_rows],
+            size=visual_features.shape[1]).squeeze(1)
         total = packed_embeds.shape[0]
         bucket = next((bucket for bucket in self.buckets if bucket >= total), None)
         # boundaries: the records, then the padding up to the bucket as one more
@@ -3335,8 +3340,11 @@ class PackedTextDecoder(torch.nn.Module):
                 static_hidden.copy_(self.run_padded(static_embeds, static_positions, static_chunks, static_deepstack,
                                                     static_real_tokens))
             packed_hidden = static_hidden[0, :total]  # [T, H]
-        hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], out of the graph's buffer
-        hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
+        if real_rows is None:
+            hidden_states = packed_hidden.view(batch, length, hidden).clone()  # [B, L, H], out of the graph's buffer
+        else:
+            hidden_states = inputs_embeds.new_zeros(batch, length, hidden)  # [B, L, H], zeros on the padding
+            hidden_states.view(batch * length, hidden).index_copy_(0, real_rows, packed_hidden)
         # the packed rows, padding included, for the batched joint head (packed_rows_behind); hidden_states held, so
         # that no other tensor can be given its memory (and so its address) while these rows are on offer
         self.packed_output = (hidden_states, packed_hidden if bucket is None else static_hidden[0])

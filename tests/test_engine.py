@@ -293,6 +293,24 @@ def test_a_mixed_batch_runs_as_each_record_alone(loaded, stock_loaded, mixed_req
     assert all(torch.equal(a, b) for first, second in zip(batch_logits, again) for a, b in zip(first, second))
 
 
+def test_a_batch_of_records_of_one_length_runs_as_each_record_alone(loaded, stock_loaded):
+    """Two different texts of the same token count in one forward: no record is padded, so the decoder packs none
+    out (its rows as they lie, not gathered by an index); each record's hidden states against the record alone
+    through transformers' own text decoder."""
+    by_length = {}
+    for state in ("red", "blue", "north", "south", "yes", "no"):
+        encoded = serve_clef.prepare(loaded, {**REQUESTS[0], "state": state}, 4096).encoded
+        by_length.setdefault(len(encoded.input_ids), []).append(encoded)
+    first, second = next(records for records in by_length.values() if len(records) > 1)[:2]
+    assert first.input_ids != second.input_ids
+    packed = thinker_hidden_states(loaded, [first, second])
+    for index, record in enumerate((first, second)):
+        alone = thinker_hidden_states(stock_loaded, [record])[0]  # [T, H]
+        token_error = (packed[index].float() - alone.float()).abs().amax(-1)  # [T]
+        beyond_noise = (token_error > HIDDEN_NOISE * alone.float().abs().max()).float().mean().item()
+        assert beyond_noise <= MOST_TOKENS_SWITCHING_EXPERT, f"record {index}: {beyond_noise:.0%} of tokens differ"
+
+
 def test_tower_steps_give_each_tower_layer_s_own_outputs(loaded, png_bytes, wav_bytes, mp4_with_audio_bytes,
                                                           monkeypatch):
     """Each tower layer runs on static buffers padded to a bucket (on CUDA, from its graph). The towers' outputs equal
