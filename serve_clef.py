@@ -3382,8 +3382,10 @@ class PackedTextDecoder(torch.nn.Module):
         """The static real tokens' count and attention chunks of the records packed with these boundaries, in one
         copy from the host."""
         counts = np.concatenate([[real_tokens], query_chunks(boundaries, MAX_QUERY_CHUNKS).ravel()])  # [1 + 2 (C + 1)]
-        self.static_buffers[2].copy_(host_to_device(torch.from_numpy(counts.astype(np.int32)),
-                                                    self.static_buffers[2].device))
+        counts = torch.from_numpy(counts.astype(np.int32))
+        # straight from pinned memory into the static buffer: one copy on the device's queue, not two
+        self.static_buffers[2].copy_(counts.pin_memory() if self.static_buffers[2].is_cuda else counts,
+                                     non_blocking=True)
 
     def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, chunks: torch.Tensor,
                    deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
