@@ -3159,6 +3159,12 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return on_device
 
 
+def host_to_static(static: torch.Tensor, host: torch.Tensor) -> None:
+    """A host tensor copied into the start of a device buffer that CUDA graphs read, without waiting: on CUDA from
+    pinned memory (see host_to_device), straight into the buffer, so one copy on the device's queue."""
+    static[:host.numel()].copy_(host.pin_memory() if static.is_cuda else host, non_blocking=True)
+
+
 def host_values(tensor: torch.Tensor) -> torch.Tensor:
     """The values of `tensor` on the host: the host tensor it was copied from when host_to_device made it, else read
     back from the device. A read-back waits for everything queued on the device before it; in a batch queued while
@@ -3382,10 +3388,7 @@ class PackedTextDecoder(torch.nn.Module):
         """The static real tokens' count and attention chunks of the records packed with these boundaries, in one
         copy from the host."""
         counts = np.concatenate([[real_tokens], query_chunks(boundaries, MAX_QUERY_CHUNKS).ravel()])  # [1 + 2 (C + 1)]
-        counts = torch.from_numpy(counts.astype(np.int32))
-        # straight from pinned memory into the static buffer: one copy on the device's queue, not two
-        self.static_buffers[2].copy_(counts.pin_memory() if self.static_buffers[2].is_cuda else counts,
-                                     non_blocking=True)
+        host_to_static(self.static_buffers[2], torch.from_numpy(counts.astype(np.int32)))
 
     def run_padded(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, chunks: torch.Tensor,
                    deepstack: torch.Tensor | None, real_tokens: torch.Tensor | None = None,
@@ -4276,10 +4279,7 @@ class BatchedJointSchemaHead(torch.nn.Module):
         host_index = head_index(records, slots)
         graph = self.graphs.get((packed.shape[0], slots))
         if graph is not None:
-            flat = host_index.flat()
-            # from pinned memory: a copy from pageable memory would wait for the device to finish what it has queued
-            self.static_index[:flat.numel()].copy_(flat.pin_memory() if self.static_index.is_cuda else flat,
-                                                   non_blocking=True)
+            host_to_static(self.static_index, host_index.flat())
             graph.replay()
             # a copy: the next replay rewrites the static logits, and a caller may hold these past it
             logits = self.static_logits.clone()  # [N of the largest row]
