@@ -125,6 +125,45 @@ def test_prompt_text_and_token_layout(tokenizer):
     assert text(encoded.questions[2].option_spans[1]).endswith('"option_id":"false"}')
 
 
+class CountingTokenizer:
+    """A tokenizer that records how many texts each call tokenises."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.texts_per_call = tokenizer, []
+
+    def __call__(self, texts, **kwargs):
+        self.texts_per_call.append(len(texts))
+        return self.tokenizer(texts, **kwargs)
+
+
+def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
+    """The ids of the pieces other than the state are kept from record to record: the next record with the same
+    questions tokenises only its state, and every record still gets the ids of its pieces tokenised alone, also when
+    the kept ids are dropped for being too many."""
+    counting = CountingTokenizer(tokenizer)  # a tokenizer of its own: nothing kept for it yet
+    expected_ids, _, _ = expected_layout(tokenizer)
+    assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
+    # the state and each distinct piece once ("\n", "OPTION 1: ", ... repeat within the record)
+    distinct_pieces = len({PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES)})
+    assert counting.texts_per_call == [1 + distinct_pieces]
+
+    state = "another state, not seen before"
+    schema_and_suffix = expected_ids[len(ids(tokenizer, PREFIX)) + len(ids(tokenizer, STATE_TEXT)):]
+    other_state_ids = ids(tokenizer, PREFIX) + ids(tokenizer, state) + schema_and_suffix
+    assert list(jsm.encode_record(counting, {**RECORD, "state": state}).input_ids) == other_state_ids
+    assert counting.texts_per_call[-1] == 1  # the state alone
+
+    monkeypatch.setattr(jsm, "_KEPT_PIECES", 4)  # fewer than a record has: dropped and kept afresh every record
+    other_questions = {"state": state, "questions": {"q": {"type": "noul"}}}
+    for record, expected in ((other_questions, None), (RECORD, expected_ids), (other_questions, None),
+                             ({**RECORD, "state": state}, other_state_ids)):
+        encoded = jsm.encode_record(counting, record)
+        if expected is not None:
+            assert list(encoded.input_ids) == expected
+            assert counting.texts_per_call[-1] == 1 + distinct_pieces  # the other record's pieces were dropped
+        assert len(jsm._kept_piece_ids[counting]) <= distinct_pieces
+
+
 def test_string_state_is_verbatim_and_missing_id_is_unknown(tokenizer):
     record = {"state": '  {"not": "re-rendered"}\n', "questions": {"q": {"type": "noul"}}}
     encoded = jsm.encode_record(tokenizer, record)
