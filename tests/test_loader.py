@@ -188,11 +188,34 @@ def test_simulated_fp4_activations_change_the_answers(nvfp4_export):
 
 
 def test_bf16_release_answers_like_load_release_model(tiny_release):
+    """Loaded by serve_clef, a BF16 release computes what load_release_model's model computes: the thinker's outputs
+    bit for bit, and the options' logits to within BF16 noise, since serve_clef scores with its batched joint head,
+    whose masked attention may sum in another order than the decision module's head (it does on some CPUs); the
+    answers agree to two decimals."""
     loaded = load(tiny_release)
     assert loaded.kind == "bf16"
     reference_model, reference_processor = joint_schema_model.load_release_model(tiny_release, device="cpu")
-    reference = joint_schema_model.systemone(reference_model, reference_processor, REQUEST)
-    assert loaded.schema.systemone(loaded.model, loaded.processor, REQUEST) == reference
+    encoded = joint_schema_model.encode_record(reference_processor.tokenizer, REQUEST)
+    batch = joint_schema_model.collate_records([encoded], reference_processor.tokenizer.pad_token_id, "cpu")
+    with torch.inference_mode():
+        thinker_outputs = [model.thinker(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                         use_cache=False, return_dict=True).logits
+                           for model in (loaded.model, reference_model)]
+        assert torch.equal(*thinker_outputs)
+        ours, theirs = (model._forward_unpadded(batch)[0] for model in (loaded.model, reference_model))
+    for got, expected in zip(ours, theirs, strict=True):
+        allowed = serve_clef.BATCHED_HEAD_TOLERANCE * max(1.0, expected.abs().max().item())
+        assert (got.float() - expected.float()).abs().max() <= allowed
+    reference = joint_schema_model.systemone(reference_model, reference_processor, REQUEST)["answers"]
+    answers = loaded.schema.systemone(loaded.model, loaded.processor, REQUEST)["answers"]
+    assert answers.keys() == reference.keys()
+    for question_id, answer in answers.items():
+        expected = reference[question_id]
+        assert answer.keys() == expected.keys() and answer.get("choice") == expected.get("choice")
+        for key in ("noul", "score", "confidence"):
+            assert answer.get(key) == pytest.approx(expected.get(key), abs=0.01)
+        for option, probability in answer.get("probabilities", {}).items():
+            assert probability == pytest.approx(expected["probabilities"][option], abs=0.01)
 
 
 def test_w4a16_export_refuses_simulated_activations(w4a16_export):
