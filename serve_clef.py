@@ -3672,10 +3672,18 @@ def rope_index_from_host(thinker: torch.nn.Module, input_ids: torch.Tensor, imag
     of), with its signature and values: (positions float [3, B, L], their offsets past each record's length [B, 1]).
     Batches with images or videos are walked as transformers walks them, from host copies of the ids, mask and grids
     (the sounds' lengths, which the thinker sums on the device, are read back once), the video and soundtrack
-    interleaving by interleaved_by_time; others go to transformers' own, a cumulative sum of the mask on the device."""
-    if input_ids is None or (image_grid_thw is None and video_grid_thw is None):
+    interleaving by interleaved_by_time; others (text, and sounds without images or videos, whose tokens transformers
+    numbers as text) by transformers' count of the mask, made on the host too, both tensors in one upload."""
+    if input_ids is None or attention_mask is None:  # nothing the thinker passes the engine: transformers' own
         return type(thinker).get_rope_index(thinker, input_ids, image_grid_thw, video_grid_thw, attention_mask,
                                             use_audio_in_video, audio_seqlens, second_per_grids)
+    if image_grid_thw is None and video_grid_thw is None:
+        mask = host_values(attention_mask)  # [B, L]
+        running = mask.float().cumsum(-1) - 1  # [B, L]: each record's real tokens from 0, as transformers counts
+        running.masked_fill_(mask == 0, 1)
+        offsets = running.max(-1, keepdim=True).values + 1 - mask.sum(-1, keepdim=True)  # [B, 1], float
+        uploaded = host_to_device(torch.cat([running, offsets], dim=1), input_ids.device)  # [B, L + 1]
+        return uploaded[:, :-1].expand(3, -1, -1), uploaded[:, -1:]
     config, merge = thinker.config, thinker.spatial_merge_size
     image_id, video_id, audio_id = config.image_token_id, config.video_token_id, config.audio_token_id
     vision_start_id, audio_start_id = config.vision_start_token_id, config.audio_start_token_id
@@ -3750,7 +3758,8 @@ def rope_index_from_host(thinker: torch.nn.Module, input_ids: torch.Tensor, imag
 def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict]:
     """Made-up batches (get_rope_index's keyword arguments, host tensors) with every kind of media piece: text, an
     image, a sound, a video alone, and a video with its soundtrack whose times meet the sound's (ties), in two records
-    right-padded, the second with less; the first batch's videos silent, the second's heard."""
+    right-padded, the second with less; the first batch's videos silent, the second's heard; and a third batch of
+    text and a sound, without images or videos."""
     image_id, video_id, audio_id = config.image_token_id, config.video_token_id, config.audio_token_id
     vision_start, vision_end = config.vision_start_token_id, config.vision_end_token_id
     audio_start, audio_end = config.audio_start_token_id, config.audio_end_token_id
@@ -3770,6 +3779,13 @@ def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict
             "audio_seqlens": torch.tensor([800] * (3 if heard else 1)),  # the sound, then each heard video's
             "second_per_grids": torch.tensor([2.0, 0.5]), "use_audio_in_video": heard,
         })
+    records = [text + sound + text, text]  # no image or video: the count of the mask, sounds included
+    batches.append({
+        "input_ids": torch.tensor([record + [0] * (len(records[0]) - len(record)) for record in records]),
+        "attention_mask": torch.tensor([[1] * len(record) + [0] * (len(records[0]) - len(record))
+                                        for record in records]),
+        "audio_seqlens": torch.tensor([800]),
+    })
     return batches
 
 

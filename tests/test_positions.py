@@ -89,9 +89,11 @@ def test_positions_of_real_media_records_are_transformers_own(loaded, thinker_mo
         assert_equal(*both(thinker_model, **arguments))
 
 
-def random_layout(rng: random.Random, config, heard_videos: bool, records: int) -> dict:
-    """get_rope_index's arguments for `records` records of random pieces: text runs, images, sounds and videos (all
-    heard with their soundtracks, or all silent), with random grids, sound lengths and seconds per grid."""
+def random_layout(rng: random.Random, config, heard_videos: bool, records: int,
+                  kinds: tuple[str, ...] = ("image", "sound", "video")) -> dict:
+    """get_rope_index's arguments for `records` records of random pieces: text runs and media of `kinds`: images,
+    sounds and videos (all heard with their soundtracks, or all silent), with random grids, sound lengths and seconds
+    per grid."""
     def sound_tokens(frames: int) -> list[int]:
         return [config.audio_token_id] * int(_get_feat_extract_output_lengths(torch.tensor(frames),
                                                                              config.audio_config.n_window))
@@ -101,7 +103,7 @@ def random_layout(rng: random.Random, config, heard_videos: bool, records: int) 
         tokens = []
         for _ in range(rng.randint(0, 5)):
             tokens += [0] * rng.randint(0, 4)  # text (0 is no special token)
-            kind = rng.choice(("image", "sound", "video"))
+            kind = rng.choice(kinds)
             if kind == "image":
                 grid = [1, 2 * rng.randint(1, 4), 2 * rng.randint(1, 4)]
                 image_grids.append(grid)
@@ -140,6 +142,22 @@ def test_positions_of_random_layouts_are_transformers_own(thinker_model):
     rng = random.Random(7)
     for case in range(60):
         arguments = random_layout(rng, thinker_model.config, heard_videos=case % 2 == 1, records=1 + case % 3)
+        assert_equal(*both(thinker_model, **arguments))
+
+
+def test_positions_without_images_or_videos_are_transformers_own(thinker_model):
+    """Text alone and text with sounds: transformers numbers every real token in turn (its count of the mask),
+    which rope_index_from_host makes on the host; right-padded batches of one to four records."""
+    rng = random.Random(11)
+    for case in range(40):
+        records = 1 + case % 4
+        if case % 2:
+            arguments = random_layout(rng, thinker_model.config, heard_videos=False, records=records, kinds=("sound",))
+        else:
+            lengths = [rng.randint(1, 40) for _ in range(records)]
+            arguments = {"input_ids": torch.zeros(records, max(lengths), dtype=torch.long),
+                         "attention_mask": torch.tensor([[1] * n + [0] * (max(lengths) - n) for n in lengths])}
+        assert arguments.get("image_grid_thw") is None and arguments.get("video_grid_thw") is None
         assert_equal(*both(thinker_model, **arguments))
 
 
