@@ -110,9 +110,11 @@ def question_options(question: dict) -> list[tuple[str, Any]]:
 
 # A prompt piece costs the tokenizer tens of microseconds however short it is, and a record has ~50: most of a
 # ~512-token record's encode time, where the state alone takes ~0.1 ms. Every piece but the state repeats from record
-# to record wherever the questions do, so their ids are kept, per tokenizer, up to _KEPT_PIECES of them (then all are
-# dropped and kept afresh); the state's never are. A piece's ids do not depend on the pieces around it.
+# to record wherever the questions do, so their ids are kept, per tokenizer, up to _KEPT_PIECES pieces of at most
+# _KEPT_PIECE_CHARS characters (then all are dropped and kept afresh), which bounds what they hold (~4 M characters'
+# ids a tokenizer); the state's never are. A piece's ids do not depend on the pieces around it.
 _KEPT_PIECES = 4096
+_KEPT_PIECE_CHARS = 1024  # a longer piece costs the tokenizer mostly for its length: tokenised each time
 _kept_piece_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {piece: its ids}
 
 
@@ -126,10 +128,11 @@ def _piece_token_ids(tokenizer, pieces: list[str], state_piece: int) -> list[lis
     known = {piece: kept.get(piece) for i, piece in enumerate(pieces) if i != state_piece}
     missing = [piece for piece, ids in known.items() if ids is None]
     state_ids, *missing_ids = tokenizer([pieces[state_piece], *missing], add_special_tokens=False).input_ids
-    if len(kept) + len(missing) > _KEPT_PIECES:
-        kept.clear()
     new = dict(zip(missing, missing_ids))
-    kept.update(new)
+    keep = {piece: ids for piece, ids in new.items() if len(piece) <= _KEPT_PIECE_CHARS}
+    if len(kept) + len(keep) > _KEPT_PIECES:
+        kept.clear()
+    kept.update(keep)
     known.update(new)
     return [state_ids if i == state_piece else known[piece] for i, piece in enumerate(pieces)]
 

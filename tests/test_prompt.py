@@ -139,7 +139,7 @@ class CountingTokenizer:
 def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
     """The ids of the pieces other than the state are kept from record to record: the next record with the same
     questions tokenises only its state, and every record still gets the ids of its pieces tokenised alone, also when
-    the kept ids are dropped for being too many."""
+    the kept ids are dropped for being too many and for pieces too long to be kept."""
     counting = CountingTokenizer(tokenizer)  # a tokenizer of its own: nothing kept for it yet
     expected_ids, _, _ = expected_layout(tokenizer)
     assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
@@ -162,6 +162,19 @@ def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
             assert list(encoded.input_ids) == expected
             assert counting.texts_per_call[-1] == 1 + distinct_pieces  # the other record's pieces were dropped
         assert len(jsm._kept_piece_ids[counting]) <= distinct_pieces
+
+    # pieces longer than _KEPT_PIECE_CHARS are tokenised every time, and still give their ids
+    monkeypatch.setattr(jsm, "_KEPT_PIECES", 4096)
+    monkeypatch.setattr(jsm, "_KEPT_PIECE_CHARS", len("END FIELD\n"))
+    counting = CountingTokenizer(tokenizer)  # nothing kept for it yet
+    assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
+    kept = jsm._kept_piece_ids[counting]
+    assert kept and all(len(piece) <= len("END FIELD\n") for piece in kept)
+    short_pieces = len({text for text in (PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES))
+                        if len(text) <= len("END FIELD\n")})
+    assert len(kept) == short_pieces
+    assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
+    assert counting.texts_per_call[-1] == 1 + distinct_pieces - short_pieces  # the state and the long pieces
 
 
 def test_string_state_is_verbatim_and_missing_id_is_unknown(tokenizer):
