@@ -132,7 +132,7 @@ def _piece_token_ids(tokenizer, pieces: list[str], state_piece: int) -> list[lis
     keep = {piece: ids for piece, ids in new.items() if len(piece) <= _KEPT_PIECE_CHARS}
     if len(kept) + len(keep) > _KEPT_PIECES:
         kept.clear()
-    kept.update(keep)
+    kept.update(itertools.islice(keep.items(), _KEPT_PIECES))  # a record of more pieces keeps its first ones
     known.update(new)
     return [state_ids if i == state_piece else known[piece] for i, piece in enumerate(pieces)]
 
