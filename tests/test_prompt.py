@@ -153,14 +153,15 @@ def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
     assert list(jsm.encode_record(counting, {**RECORD, "state": state}).input_ids) == other_state_ids
     assert counting.texts_per_call[-1] == 1  # the state alone
 
-    monkeypatch.setattr(jsm, "_KEPT_PIECES", 4)  # fewer than a record has: dropped and kept afresh every record
+    monkeypatch.setattr(jsm, "_KEPT_PIECES", 4)  # fewer than a record has: dropped every record, 4 kept afresh
     other_questions = {"state": state, "questions": {"q": {"type": "noul"}}}
     for record, expected in ((other_questions, None), (RECORD, expected_ids), (other_questions, None),
                              ({**RECORD, "state": state}, other_state_ids)):
         encoded = jsm.encode_record(counting, record)
         if expected is not None:
             assert list(encoded.input_ids) == expected
-            assert counting.texts_per_call[-1] == 1 + distinct_pieces  # the other record's pieces were dropped
+            # all but at most 4 of its pieces tokenised again: what the other record kept was dropped
+            assert counting.texts_per_call[-1] >= 1 + distinct_pieces - 4
         assert len(jsm._kept_piece_ids[counting]) <= 4
 
     # pieces longer than _KEPT_PIECE_CHARS are tokenised every time, and still give their ids
