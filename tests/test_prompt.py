@@ -178,6 +178,21 @@ def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
     assert counting.texts_per_call[-1] == 1 + distinct_pieces - short_pieces  # the state and the long pieces
 
 
+def test_a_tokenizer_that_cannot_be_a_key_tokenizes_every_piece(tokenizer):
+    """A tokenizer that cannot be a weak dictionary's key (unhashable) keeps no ids: every record tokenises all its
+    pieces, and gets their ids."""
+
+    class UnhashableTokenizer(CountingTokenizer):
+        __hash__ = None
+
+    unhashable = UnhashableTokenizer(tokenizer)
+    expected_ids, _, _ = expected_layout(tokenizer)
+    distinct_pieces = len({PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES)})
+    for _ in range(2):
+        assert list(jsm.encode_record(unhashable, RECORD).input_ids) == expected_ids
+    assert unhashable.texts_per_call == [1 + distinct_pieces] * 2
+
+
 def test_string_state_is_verbatim_and_missing_id_is_unknown(tokenizer):
     record = {"state": '  {"not": "re-rendered"}\n', "questions": {"q": {"type": "noul"}}}
     encoded = jsm.encode_record(tokenizer, record)
