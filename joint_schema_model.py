@@ -123,7 +123,7 @@ def _piece_token_ids(tokenizer, pieces: list[str], state_piece: int) -> list[lis
     state and the pieces not kept yet."""
     try:
         kept = _kept_piece_ids.setdefault(tokenizer, {})
-    except TypeError:  # a tokenizer that cannot be referenced weakly keeps nothing
+    except TypeError:  # a tokenizer that cannot be a weak dictionary's key (unhashable, say) keeps nothing
         kept = {}
     known = {piece: kept.get(piece) for i, piece in enumerate(pieces) if i != state_piece}
     missing = [piece for piece, ids in known.items() if ids is None]

@@ -3768,24 +3768,23 @@ def rope_index_check_batches(config: transformers.PretrainedConfig) -> list[dict
     sound = [audio_start, *[audio_id] * 104, audio_end]  # 800 feature frames -> 104 tokens
     silent_video = [vision_start, *[video_id] * 12, vision_end]  # grid (3, 4, 4) / 2**2
     heard_video = [vision_start, audio_start, *[video_id] * 12, *[audio_id] * 104, audio_end, vision_end]
+
+    def right_padded(records: list[list[int]]) -> dict:  # input_ids and attention_mask [B, L]
+        length = max(len(record) for record in records)
+        return {"input_ids": torch.tensor([record + [0] * (length - len(record)) for record in records]),
+                "attention_mask": torch.tensor([[1] * len(record) + [0] * (length - len(record))
+                                                for record in records])}
+
     batches = []
     for video, heard in ((silent_video, False), (heard_video, True)):
-        records = [text + image + text + sound + text + video + text, text + video]
-        length = max(len(record) for record in records)
         batches.append({
-            "input_ids": torch.tensor([record + [0] * (length - len(record)) for record in records]),
-            "attention_mask": torch.tensor([[1] * len(record) + [0] * (length - len(record)) for record in records]),
+            **right_padded([text + image + text + sound + text + video + text, text + video]),
             "image_grid_thw": torch.tensor([[1, 4, 6]]), "video_grid_thw": torch.tensor([[3, 4, 4], [3, 4, 4]]),
             "audio_seqlens": torch.tensor([800] * (3 if heard else 1)),  # the sound, then each heard video's
             "second_per_grids": torch.tensor([2.0, 0.5]), "use_audio_in_video": heard,
         })
-    records = [text + sound + text, text]  # no image or video: the count of the mask, sounds included
-    batches.append({
-        "input_ids": torch.tensor([record + [0] * (len(records[0]) - len(record)) for record in records]),
-        "attention_mask": torch.tensor([[1] * len(record) + [0] * (len(records[0]) - len(record))
-                                        for record in records]),
-        "audio_seqlens": torch.tensor([800]),
-    })
+    # no image or video: the count of the mask, sounds included
+    batches.append({**right_padded([text + sound + text, text]), "audio_seqlens": torch.tensor([800])})
     return batches
 
 
