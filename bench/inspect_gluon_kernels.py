@@ -133,8 +133,8 @@ def in_flight_operand_writes(sass_text: str, rounds: int = 3) -> list[str]:
 
 def loop_instructions(sass_text: str) -> int:
     """Instructions a warp issues per step of the kernel's loop over the reduced dimension: its last loop in the
-    code."""
-    return len(loops(sass_text)[-1])
+    code that issues tensor-core products (a wait on an mbarrier compiles to a loop of its own)."""
+    return len([body for body in loops(sass_text) if any(line.startswith("HGMMA") for line in body)][-1])
 
 
 def main() -> int:

@@ -547,3 +547,17 @@ def test_the_sass_check_finds_writes_into_operands_of_products_in_flight():
     # a write after the products are issued but before the wait, in the same iteration, races too
     before_wait = _sass_loop(*products, "LOP3.LUT R56, R1, 0xf, RZ, 0xc0, !PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
     assert inspect.in_flight_operand_writes(before_wait) == ["LOP3.LUT R56, R1, 0xf, RZ, 0xc0, !PT"]
+
+
+def test_the_sass_count_takes_the_loop_of_products_not_a_wait_on_an_mbarrier():
+    """bench/inspect_gluon_kernels.py counts the instructions of a step in the last loop that issues tensor-core
+    products; a wait on an mbarrier (a try-wait and a branch back to it) is a loop too, and may come after it."""
+    script = Path(__file__).parents[1] / "bench" / "inspect_gluon_kernels.py"
+    spec = importlib.util.spec_from_file_location("inspect_gluon_kernels", script)
+    inspect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect)
+    step = _sass_loop("LDS.128 R60, [R12+0x8000]", "WARPGROUP.ARRIVE",
+                      "HGMMA.64x64x16.F32.BF16 R24, R60, gdesc[UR24], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    wait = "\n".join([".L_x_2:", "        /*0100*/   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R13+URZ+0xa000], R14 ;",
+                      "        /*0110*/   @!P0 BRA `(.L_x_2) ;"])
+    assert inspect.loop_instructions(step + "\n" + wait) == 5  # four instructions and the branch back
