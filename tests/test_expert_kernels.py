@@ -525,14 +525,20 @@ def _sass_loop(*instructions: str) -> str:
     return "\n".join(lines)
 
 
+def inspect_gluon_kernels():
+    """bench/inspect_gluon_kernels.py as a module (its SASS helpers need no GPU and no triton 3.6)."""
+    script = Path(__file__).parents[1] / "bench" / "inspect_gluon_kernels.py"
+    spec = importlib.util.spec_from_file_location("inspect_gluon_kernels", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_sass_check_finds_writes_into_operands_of_products_in_flight():
     """bench/inspect_gluon_kernels.py's check, against the rule it enforces: an asynchronous HGMMA reads its A operand
     (four registers) until a WARPGROUP.DEPBAR.LE gsb0, N leaves at most N groups in flight, so a write into those
     registers before that, in this iteration or the next, is a race."""
-    script = Path(__file__).parents[1] / "bench" / "inspect_gluon_kernels.py"
-    spec = importlib.util.spec_from_file_location("inspect_gluon_kernels", script)
-    inspect = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inspect)
+    inspect = inspect_gluon_kernels()
     products = ("WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR20], R24",
                 "HGMMA.64x64x16.F32.BF16 R24, R60, gdesc[UR24], R24, gsb0")
     # the next step's weights moved into the registers the products read, with one group left in flight: a race
@@ -552,10 +558,7 @@ def test_the_sass_check_finds_writes_into_operands_of_products_in_flight():
 def test_the_sass_count_takes_the_loop_of_products_not_a_wait_on_an_mbarrier():
     """bench/inspect_gluon_kernels.py counts the instructions of a step in the last loop that issues tensor-core
     products; a wait on an mbarrier (a try-wait and a branch back to it) is a loop too, and may come after it."""
-    script = Path(__file__).parents[1] / "bench" / "inspect_gluon_kernels.py"
-    spec = importlib.util.spec_from_file_location("inspect_gluon_kernels", script)
-    inspect = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inspect)
+    inspect = inspect_gluon_kernels()
     step = _sass_loop("LDS.128 R60, [R12+0x8000]", "WARPGROUP.ARRIVE",
                       "HGMMA.64x64x16.F32.BF16 R24, R60, gdesc[UR24], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
     wait = "\n".join([".L_x_2:", "        /*0100*/   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R13+URZ+0xa000], R14 ;",
