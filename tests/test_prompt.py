@@ -66,6 +66,8 @@ SCHEMA_PIECES = [
     ("\n", None),
     ("END FIELD\n", None),
 ]
+# RECORD's pieces other than its state, each once ("\n", "OPTION 1: ", ... repeat within the record)
+DISTINCT_PIECES = {PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES)}
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +145,7 @@ def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
     counting = CountingTokenizer(tokenizer)  # a tokenizer of its own: nothing kept for it yet
     expected_ids, _, _ = expected_layout(tokenizer)
     assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
-    # the state and each distinct piece once ("\n", "OPTION 1: ", ... repeat within the record)
-    distinct_pieces = len({PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES)})
+    distinct_pieces = len(DISTINCT_PIECES)  # the state and each distinct piece once
     assert counting.texts_per_call == [1 + distinct_pieces]
 
     state = "another state, not seen before"
@@ -171,8 +172,7 @@ def test_kept_piece_ids_give_the_pieces_tokenised_alone(tokenizer, monkeypatch):
     assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
     kept = jsm._kept_piece_ids[counting]
     assert kept and all(len(piece) <= len("END FIELD\n") for piece in kept)
-    short_pieces = len({text for text in (PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES))
-                        if len(text) <= len("END FIELD\n")})
+    short_pieces = len({text for text in DISTINCT_PIECES if len(text) <= len("END FIELD\n")})
     assert len(kept) == short_pieces
     assert list(jsm.encode_record(counting, RECORD).input_ids) == expected_ids
     assert counting.texts_per_call[-1] == 1 + distinct_pieces - short_pieces  # the state and the long pieces
@@ -187,7 +187,7 @@ def test_a_tokenizer_that_cannot_be_a_key_tokenizes_every_piece(tokenizer):
 
     unhashable = UnhashableTokenizer(tokenizer)
     expected_ids, _, _ = expected_layout(tokenizer)
-    distinct_pieces = len({PREFIX, SUFFIX, *(text for text, _ in SCHEMA_PIECES)})
+    distinct_pieces = len(DISTINCT_PIECES)
     for _ in range(2):
         assert list(jsm.encode_record(unhashable, RECORD).input_ids) == expected_ids
     assert unhashable.texts_per_call == [1 + distinct_pieces] * 2
