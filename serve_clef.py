@@ -796,6 +796,7 @@ def place_pairs_in_row_tiles_kernel(
     routed_expert_ptr, block_counts_ptr, num_pairs, block_pairs,  # as count_pairs_per_expert_kernel wrote them
     slot_pairs_ptr,  # int32 [P]: out, the pair in each slot, -1 in padding
     tile_experts_ptr,  # int32 [P / BLOCK_R]: out, the expert of each tile, num_experts past the last
+    tile_columns_done_ptr,  # int32 [P / BLOCK_R]: out, zeros (the gluon gate_up kernel counts its columns there)
     num_blocks, num_experts, max_tiles,
     EXPERTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
     COUNT_ROWS: tl.constexpr,  # rows of block_counts read at once
@@ -842,6 +843,7 @@ def place_pairs_in_row_tiles_kernel(
         rows = tl.arange(0, BLOCK_R)
         in_grid = tiles < max_tiles
         tl.store(tile_experts_ptr + tiles, tile_expert, mask=in_grid)
+        tl.store(tile_columns_done_ptr + tiles, tl.zeros((TILES,), tl.int32), mask=in_grid)
         tl.store(slot_pairs_ptr + tiles[:, None] * BLOCK_R + rows[None, :], tl.full((TILES, BLOCK_R), -1, tl.int32),
                  mask=in_grid[:, None] & (rows[None, :] >= filled[:, None]))
 
@@ -850,8 +852,10 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
                        real_tokens: torch.Tensor | None = None):
     """Pairs sorted by expert, each expert's run padded to a multiple of `block_rows`, with no host synchronisation.
 
-    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding) and tile_experts
-    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing). P is
+    top_k_index [T, K] -> slot_pairs int32 [P] (the pair token * K + k in each slot, -1 in padding), tile_experts
+    int32 [P / block_rows] (the expert of each tile; num_experts for the tiles past the last, which do nothing) and
+    tile_columns_done int32 [P / block_rows], zeros, where the gluon gate_up kernel counts each tile's finished
+    columns for the down kernel (nvfp4_down_fragment_kernel). P is
     the most any routing can need, so the launch grid depends on T alone. Each expert's pairs keep their order, as a
     stable sort by expert would leave them. real_tokens (int32 [1] on the device, or None: every token is real): the
     tokens past it are the engine's padding, whose pairs take no slot (so the down kernel writes no output for them).
@@ -871,16 +875,17 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
     block_counts = expert_of_pair.new_empty(num_blocks, padded_experts, dtype=torch.int32)  # [B, E padded]
     slot_pairs = expert_of_pair.new_empty(max_tiles * block_rows, dtype=torch.int32)  # [P]
     tile_experts = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
+    tile_columns_done = expert_of_pair.new_empty(max_tiles, dtype=torch.int32)  # [P / R]
     common = dict(EXPERTS=padded_experts, CHUNK=ROUTING_CHUNK, num_warps=ROUTING_WARPS)
     count_pairs_per_expert_kernel[(num_blocks,)](
         expert_of_pair, expert_of_pair if real_tokens is None else real_tokens, routed_expert, block_counts,
         num_pairs, block_pairs, TOP_K=top_k_index.shape[1], PADDED=real_tokens is not None, **common,
     )
     place_pairs_in_row_tiles_kernel[(num_blocks + triton.cdiv(max_tiles, ROUTING_TILES),)](
-        routed_expert, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, num_blocks, num_experts,
-        max_tiles, BLOCK_R=block_rows, COUNT_ROWS=ROUTING_COUNT_ROWS, TILES=ROUTING_TILES, **common,
+        routed_expert, block_counts, num_pairs, block_pairs, slot_pairs, tile_experts, tile_columns_done, num_blocks,
+        num_experts, max_tiles, BLOCK_R=block_rows, COUNT_ROWS=ROUTING_COUNT_ROWS, TILES=ROUTING_TILES, **common,
     )
-    return slot_pairs, tile_experts
+    return slot_pairs, tile_experts, tile_columns_done
 
 
 # The top-k sum: each token's K pair outputs added in fp32 in pair order, rounded once to BF16 (as torch sums BF16).
@@ -1376,6 +1381,40 @@ def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_s
     gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
 
 
+# The down kernel starts on a routed tile as soon as gate_up has written that tile's intermediate rows, not after the
+# whole gate_up kernel: each gate_up program counts its finished slab column in the tile's slot of tile_columns_done
+# (zeroed by the routing), and down's programs of the tile wait there until every column is in. Down is launched with
+# programmatic stream serialization, which lets its programs start once every gate_up program has started (gate_up
+# says so at its start), so they take the SMs that gate_up's last, partly filled wave leaves idle. No program waits
+# for one that has not started, so none can wait forever. The counts are released and acquired at GPU scope, one
+# thread a program, behind a barrier of the warp group (the pattern of CUTLASS's split-K semaphores); the outputs are
+# the same bits whenever each program runs.
+
+@gluon.jit
+def _allow_dependent_launch():
+    """The next kernel, if launched with programmatic stream serialization, may start once every program of this one
+    has run this (PTX griddepcontrol.launch_dependents)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _count_tile_column_done(tile_columns_done_ptr, tile):
+    """Every thread's stores of this program's columns of routed tile `tile` made, one more column counted."""
+    gl.thread_barrier()
+    gl.atomic_add(tile_columns_done_ptr + tile, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _wait_for_tile_columns(tile_columns_done_ptr, tile, columns):
+    """Return once `columns` slab columns of routed tile `tile` are counted, their stores visible to every thread."""
+    done = gl.atomic_add(tile_columns_done_ptr + tile, 0, sem="acquire", scope="gpu")
+    while done < columns:
+        gl.inline_asm_elementwise("nanosleep.u32 200; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        done = gl.atomic_add(tile_columns_done_ptr + tile, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+
+
 @gluon.jit
 def nvfp4_gate_up_fragment_kernel(
     hidden_states_ptr,  # BF16 [T, H], or [S, H] (one row per pair) when pairs_per_row is 1
@@ -1384,16 +1423,21 @@ def nvfp4_gate_up_fragment_kernel(
     block_scales_ptr,  # int32 [E, 2I, H/64]: the block scales as fragment_scales keeps them, four to a word
     global_scale_ptr,  # fp32 [E, 2]
     intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot multiplied (a tile's first R, R/2 or R/4 slots)
+    tile_columns_done_ptr,  # int32 [P / R]: zeros; each program adds one for its tile once its columns are stored
     num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
     SMALLEST_ROWS: gl.constexpr,  # ExpertTiles.smallest_rows, or BLOCK_R
 ):
-    tile, slab_column = gl.program_id(0), gl.program_id(1)  # slab_column: 64 columns of gate and of up
+    # slab_column: 64 columns of gate and of up. The columns vary fastest, so that a tile's columns are done together
+    # and the down kernel can start on it while later tiles are still multiplied.
+    slab_column, tile = gl.program_id(0), gl.program_id(1)
+    _allow_dependent_launch()
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                 intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
         _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
+        _count_tile_column_done(tile_columns_done_ptr, tile)
 
 
 @gluon.jit
@@ -1474,10 +1518,12 @@ def nvfp4_down_fragment_kernel(
     block_scales_ptr,  # int32 [E, H, I/64]: as for nvfp4_gate_up_fragment_kernel
     global_scale_ptr,  # fp32 [E]
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
+    tile_columns_done_ptr,  # int32 [P / R]: gate_up's finished columns of each tile (read when WAIT_FOR_GATE_UP)
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
     SMALLEST_ROWS: gl.constexpr,  # as for nvfp4_gate_up_fragment_kernel: the same count, so the same slots
     SLAB_PAIRS: gl.constexpr,  # ExpertTiles.down_slab_pairs: two adjacent output slabs a program
+    WAIT_FOR_GATE_UP: gl.constexpr,  # launched while gate_up may still run: wait for each tile's columns
 ):
     # slab_group: one output slab of 64 columns, or a pair. The slab groups vary fastest, so a routed tile's programs
     # run side by side and read its input rows from L2 once fetched: at 2,048 tokens and more the input outgrows L2
@@ -1486,6 +1532,8 @@ def nvfp4_down_fragment_kernel(
     slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
+        if WAIT_FOR_GATE_UP:
+            _wait_for_tile_columns(tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
                 global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
         tile_work: gl.constexpr = _paired_down_tile if SLAB_PAIRS else _down_tile
@@ -1796,7 +1844,7 @@ class PackedNVFP4Experts(torch.nn.Module):
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, EXPERT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
+        slot_pairs, tile_experts, _ = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
         num_tiles = tile_experts.numel()
         common = dict(INTERPRETED=not hidden_states.is_cuda, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
@@ -1825,7 +1873,8 @@ class PackedNVFP4Experts(torch.nn.Module):
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
-        slot_pairs, tile_experts = route_to_row_tiles(top_k_index, self.num_experts, tiles.rows, self.real_tokens)
+        slot_pairs, tile_experts, tile_columns_done = route_to_row_tiles(
+            top_k_index, self.num_experts, tiles.rows, self.real_tokens)
         num_tiles = tile_experts.numel()
         # every program one warp group; down on pairs of output slabs where the table asks and the slabs pair up
         common = dict(BLOCK_R=tiles.rows, STAGES=tiles.num_stages, SMALLEST_ROWS=tiles.smallest_rows or tiles.rows,
@@ -1833,18 +1882,21 @@ class PackedNVFP4Experts(torch.nn.Module):
         slab_pairs = tiles.down_slab_pairs and (self.hidden // FRAGMENT_ROWS.value) % 2 == 0
         gate_up_input, pairs_per_row = self.kernels_gate_up_input(hidden_states, top_k_index)
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
-        nvfp4_gate_up_fragment_kernel[(num_tiles, self.width // FRAGMENT_ROWS.value)](
+        nvfp4_gate_up_fragment_kernel[(self.width // FRAGMENT_ROWS.value, num_tiles)](
             gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
-            self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, self.num_experts,
-            self.hidden, self.width, pairs_per_row, **common,
+            self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, tile_columns_done,
+            self.num_experts, self.hidden, self.width, pairs_per_row, **common,
         )
+        # under W4A4 the rounding runs between the two kernels, so down follows it as any launch does
+        overlapped = not self.simulate_fp4_activations
         if self.simulate_fp4_activations:
             down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
             round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         nvfp4_down_fragment_kernel[(self.hidden // (FRAGMENT_ROWS.value * (2 if slab_pairs else 1)), num_tiles)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs, **common,
+            tile_columns_done, self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs,
+            WAIT_FOR_GATE_UP=overlapped, launch_pdl=overlapped, **common,
         )
         return sum_top_k(pair_outputs, top_k, self.real_tokens)
 

@@ -30,7 +30,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTER_TYPES = {
     "hidden_states_ptr": "*bf16", "intermediate_ptr": "*bf16", "routing_weights_ptr": "*bf16",
     "pair_outputs_ptr": "*bf16", "slot_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "fragment_words_ptr": "*i32",
-    "block_scales_ptr": "*i32", "global_scale_ptr": "*fp32",
+    "block_scales_ptr": "*i32", "global_scale_ptr": "*fp32", "tile_columns_done_ptr": "*i32",
 }
 MULTIPLES_OF_16 = ("hidden", "width")
 
@@ -146,7 +146,7 @@ def main() -> int:
 
     def constexprs(tiles, name):  # as forward_fragments launches them for the real model (hidden 2048: slabs pair up)
         common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages, "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
-        return common | ({"SLAB_PAIRS": tiles.down_slab_pairs} if name == "down" else {})
+        return common | ({"SLAB_PAIRS": tiles.down_slab_pairs, "WAIT_FOR_GATE_UP": True} if name == "down" else {})
 
     if args.sass:
         tiles = next(tiles for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)

@@ -234,15 +234,38 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
     experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
     (gate_up_grid, gate_up_constexprs), = gate_up.launches
     (down_grid, down_constexprs), = down.launches
-    # gate_up: a program per 64 columns of the width; every program one warp group
-    assert gate_up_grid[1] * 64 == config.moe_intermediate_size
+    # gate_up: a program per 64 columns of the width, the columns first; every program one warp group
+    assert gate_up_grid[0] * 64 == config.moe_intermediate_size
     assert gate_up_constexprs["num_warps"] == down_constexprs["num_warps"] == 4
-    assert down_grid[1] == gate_up_grid[0]  # the same routed tiles, down's slab groups first (side by side)
+    assert down_grid[1] == gate_up_grid[1]  # the same routed tiles, down's slab groups first (side by side)
     # down reads exactly the slots gate_up wrote: both count a tile's pairs against the same rows and smallest rows
     assert all(down_constexprs[name] == gate_up_constexprs[name] for name in ("BLOCK_R", "SMALLEST_ROWS"))
     slab_pairs = down_constexprs["SLAB_PAIRS"]
     assert slab_pairs == (hidden % 128 == 0)
     assert down_grid[0] * (2 if slab_pairs else 1) * 64 == hidden
+
+
+@pytest.mark.parametrize("simulate_fp4_activations", [False, True], ids=["W4A16", "W4A4"])
+def test_the_gluon_down_kernel_starts_early_only_right_behind_gate_up(monkeypatch, simulate_fp4_activations):
+    """W4A16: down is launched while gate_up may still run (programmatic stream serialization) and waits in each tile
+    for gate_up's columns, counted in the routing's zeroed tile_columns_done. W4A4: the down input's rounding runs
+    between the two, so down is launched as any kernel is and waits for nothing."""
+    config = tiny_text_config()
+    config.hidden_size, config.moe_intermediate_size = 128, 64
+    experts = random_packed_experts(config, has_input_scales=True)
+    experts.to_fragment_order()
+    experts.simulate_fp4_activations = simulate_fp4_activations
+    gate_up, down = RecordedLaunches(), RecordedLaunches()
+    monkeypatch.setattr(serve_clef, "nvfp4_gate_up_fragment_kernel", gate_up)
+    monkeypatch.setattr(serve_clef, "nvfp4_down_fragment_kernel", down)
+    generator = torch.Generator().manual_seed(6)
+    hidden_states = torch.randn(40, 128, generator=generator).to(torch.bfloat16)
+    top_k_weights, top_k_index = torch.randn(40, 8, generator=generator).softmax(-1).topk(2, dim=-1)
+    experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
+    (_, gate_up_constexprs), = gate_up.launches
+    (_, down_constexprs), = down.launches
+    assert down_constexprs["WAIT_FOR_GATE_UP"] is down_constexprs["launch_pdl"] is (not simulate_fp4_activations)
+    assert "launch_pdl" not in gate_up_constexprs  # gate_up follows the routing, which it reads from its start
 
 
 def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
@@ -269,7 +292,7 @@ def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
 
 def test_routing_pads_each_expert_to_whole_tiles():
     top_k_index = torch.tensor([[3, 3], [1, 0], [3, 7], [0, 1], [7, 3]])  # a repeated expert; experts 2, 4-6 get none
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
+    slot_pairs, tile_experts, _ = serve_clef.route_to_row_tiles(top_k_index, num_experts=8, block_rows=2)
     assert slot_pairs.dtype == tile_experts.dtype == torch.int32
     tiles = slot_pairs.view(-1, 2).tolist()
     expected_tiles = {0: [[3, 6]], 1: [[2, 7]], 3: [[0, 1], [4, 9]], 7: [[5, 8]]}  # pairs (token * 2 + k) in order

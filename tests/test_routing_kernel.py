@@ -14,8 +14,9 @@ import serve_clef
 def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
                         real_tokens: int | None = None):
     """Expert by expert, its pairs (token * K + k) in increasing order, then -1 up to a whole number of tiles; then
-    tiles of -1 marked with expert num_experts up to the most tiles any routing of S pairs can need. The pairs of
-    the tokens from real_tokens on (padding) take no slot."""
+    tiles of -1 marked with expert num_experts up to the most tiles any routing of S pairs can need; and a zero
+    count of finished gate_up columns per tile. The pairs of the tokens from real_tokens on (padding) take no
+    slot."""
     expert_of_pair = top_k_index.reshape(-1).numpy().copy()
     num_pairs = expert_of_pair.size
     if real_tokens is not None:
@@ -30,18 +31,18 @@ def reference_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows:
     assert len(tile_experts) <= max_tiles  # the bound the grid is sized by
     slot_pairs += [-1] * (max_tiles * block_rows - len(slot_pairs))
     tile_experts += [num_experts] * (max_tiles - len(tile_experts))
-    return torch.tensor(slot_pairs, dtype=torch.int32), torch.tensor(tile_experts, dtype=torch.int32)
+    return (torch.tensor(slot_pairs, dtype=torch.int32), torch.tensor(tile_experts, dtype=torch.int32),
+            torch.zeros(max_tiles, dtype=torch.int32))
 
 
 def assert_routes_like_the_reference(top_k_index: torch.Tensor, num_experts: int, block_rows: int,
                                      real_tokens: int | None = None):
     real_tokens_on_device = None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32)
-    slot_pairs, tile_experts = serve_clef.route_to_row_tiles(top_k_index, num_experts, block_rows, real_tokens_on_device)
-    expected_slot_pairs, expected_tile_experts = reference_row_tiles(top_k_index, num_experts, block_rows,
-                                                                     real_tokens)
-    assert slot_pairs.dtype == tile_experts.dtype == torch.int32
-    assert torch.equal(tile_experts, expected_tile_experts)
-    assert torch.equal(slot_pairs, expected_slot_pairs)
+    routed = serve_clef.route_to_row_tiles(top_k_index, num_experts, block_rows, real_tokens_on_device)
+    expected = reference_row_tiles(top_k_index, num_experts, block_rows, real_tokens)
+    for name, got, want in zip(("slot_pairs", "tile_experts", "tile_columns_done"), routed, expected, strict=True):
+        assert got.dtype == torch.int32, name
+        assert torch.equal(got, want), name
 
 
 def router_choices(num_tokens: int, top_k: int, num_experts: int, seed: int) -> torch.Tensor:
