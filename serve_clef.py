@@ -506,20 +506,18 @@ def _round_activations_to_nvfp4(x, input_scale, ROWS: tl.constexpr, COLUMNS: tl.
 
 @triton.jit
 def nvfp4_round_activations_kernel(
-    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, rows_per_expert, num_experts, columns,
+    activations_ptr, input_scales_ptr, experts_ptr, out_ptr, rows_per_input, columns,
     BLOCK_C: tl.constexpr, PER_EXPERT: tl.constexpr,
 ):
     """One block of BLOCK_C columns of one output row per program: row `row // rows_per_input` of BF16 activations
-    [., columns], rounded to NVFP4 with the static input scale (PER_EXPERT: the scale of expert
-    experts[row // rows_per_expert], else the one at input_scales_ptr). An expert index of num_experts (the routing's
-    tiles past the last) reads the last expert's scale: those rows are never read. Each 16-value block is rounded on
-    its own, so splitting a row into column blocks changes nothing."""
+    [., columns], rounded to NVFP4 with the static input scale (PER_EXPERT: the scale of expert experts[row], else the
+    one at input_scales_ptr). Each 16-value block is rounded on its own, so splitting a row into column blocks changes
+    nothing."""
     row = tl.program_id(0).to(tl.int64)
     columns_here = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]  # [1, C]
     x = tl.load(activations_ptr + (row // rows_per_input) * columns + columns_here).to(tl.float32)
     if PER_EXPERT:
-        expert = tl.minimum(tl.load(experts_ptr + row // rows_per_expert), num_experts - 1)
-        input_scale = tl.load(input_scales_ptr + expert)
+        input_scale = tl.load(input_scales_ptr + tl.load(experts_ptr + row))
     else:
         input_scale = tl.load(input_scales_ptr)
     tl.store(out_ptr + row * columns + columns_here, _round_activations_to_nvfp4(x, input_scale, 1, BLOCK_C))
@@ -527,7 +525,6 @@ def nvfp4_round_activations_kernel(
 
 def round_activations_to_nvfp4(
     activations: torch.Tensor, input_scale: torch.Tensor, top_k_index: torch.Tensor | None = None,
-    tile_experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BF16 activations rounded to NVFP4 by the kernels' helper: the W4A4 replay of an expert input outside the
     packed kernels. input_scale: one (0-d or [1]), or each expert's [E].
@@ -535,29 +532,22 @@ def round_activations_to_nvfp4(
     activations [T, H] and no index: once per token with one input scale -> [T, H] (the gate_up input).
     With top_k_index [T, K]: once per (token, expert) pair with each expert's own input scale -> [S, H], the rows in
     pair order (token * K + k) (the gate_up input of a layer whose experts have scales of their own).
-    With tile_experts (the routing's, [P / R]): activations [P, I] in their padded slots, rounded in place, each with
-    the scale of its tile's expert -> activations (the down input, between the gluon kernels).
     """
     activations = activations.contiguous()
-    num_rows, columns = activations.shape
+    columns = activations.shape[1]
     # The widest power-of-two column block that divides the row (768 -> 256): Triton's ranges are powers of two.
     block_columns = min(columns & -columns, 1024)
     assert block_columns >= 16, f"NVFP4 rounds blocks of 16 values, a row of {columns} cannot be split into them"
     input_scale = input_scale.float().reshape(-1)
-    num_experts = input_scale.numel()
-    # the output, each output row's expert index (read only PER_EXPERT), input rows per output row and rows per expert
-    if tile_experts is not None:  # in place, a tile of rows per expert index (shared scale: one for all)
-        out, experts, rows_per_input, rows_per_expert = activations, tile_experts, 1, num_rows // tile_experts.numel()
-        per_expert = num_experts > 1
-    elif top_k_index is None:  # a row per token, one scale
+    # the output, each output row's expert (read only PER_EXPERT) and input rows per output row
+    if top_k_index is None:  # a row per token, one scale
         out = torch.empty_like(activations)  # [T, H]
-        experts, rows_per_input, rows_per_expert, per_expert = input_scale, 1, 1, False
+        experts, rows_per_input, per_expert = input_scale, 1, False
     else:  # a row per (token, expert) pair, its expert's scale
         out = activations.new_empty(top_k_index.numel(), columns)  # [S, H]
-        experts, rows_per_input, rows_per_expert, per_expert = top_k_index.reshape(-1), top_k_index.shape[1], 1, True
+        experts, rows_per_input, per_expert = top_k_index.reshape(-1), top_k_index.shape[1], True
     nvfp4_round_activations_kernel[(out.shape[0], columns // block_columns)](
-        activations, input_scale, experts, out, rows_per_input, rows_per_expert, num_experts, columns,
-        BLOCK_C=block_columns, PER_EXPERT=per_expert,
+        activations, input_scale, experts, out, rows_per_input, columns, BLOCK_C=block_columns, PER_EXPERT=per_expert,
     )
     return out
 
@@ -998,8 +988,8 @@ def fitted_block(block: int, size: int) -> int:
 # word, each byte rewritten so that two become BF16 in two instructions (fragment_scales). The activations (gate_up:
 # gathered by token; down: the intermediate rows) go through a ring of cp.async copies in shared memory, the tensor
 # cores' right operand, which one warp group a program multiplies by one slab or two, their products in turn. The
-# W4A4 replay rounds the gate_up input before the gate_up kernel and the down input between the two, with the Triton
-# kernels' rounding (round_activations_to_nvfp4). Gluon has no interpreter, so these kernels run on the GPU only:
+# W4A4 replay rounds the gate_up input before the gate_up kernel (round_activations_to_nvfp4) and the down input in
+# gate_up's epilogue, both with the Triton kernels' rounding helper. Gluon has no interpreter, so these kernels run on the GPU only:
 # bench/check_expert_kernels.py compares them there with the unpack reference, and the tests check on CPU the fragment
 # order and the decode PTX, instruction by instruction, and the launches' grids.
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
@@ -1349,9 +1339,14 @@ def _run_tile(tile_work: gl.constexpr, args, slot_pairs_ptr, tile, BLOCK_R: gl.c
             tile_work(*args, BLOCK_R, BLOCK_R // 4, STAGES)
 
 
+# [64 columns, R slots] of the intermediate as the W4A4 replay rounds them: a thread's 16 columns are one NVFP4 block
+# (permuted, [R, 64] as the rounding helper takes them)
+FRAGMENT_ROUNDING_LAYOUT = gl.constexpr(gl.BlockedLayout([16, 1], [4, 8], [1, 4], [0, 1]))
+
+
 @gluon.jit
 def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
-                  intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row,
+                  down_input_scale_ptr, intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row,
                   TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
     """nvfp4_gate_up_fragment_kernel's work on the first BLOCK_R slots of routed tile `tile` (TILE_ROWS slots)."""
     ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
@@ -1375,10 +1370,21 @@ def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_s
     up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     gate, up = gate.to(gl.float32), up.to(gl.float32)
     activated = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-    intermediate = (activated * up).to(gl.bfloat16)
-    columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
-    slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
-    gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
+    intermediate = (activated * up).to(gl.bfloat16)  # [64 columns, R slots]
+    # W4A4: the down input rounded here, by nvfp4_gate_up_kernel's helper. Otherwise the pointer is None, which stays
+    # a constexpr inside _run_tile's args (a constexpr flag there would become a runtime value, both branches compiled)
+    if down_input_scale_ptr is not None:
+        rows = gl.permute(gl.convert_layout(intermediate, FRAGMENT_ROUNDING_LAYOUT), (1, 0))  # [R slots, 64 columns]
+        rounded = _round_activations_to_nvfp4(rows.to(gl.float32), gl.load(down_input_scale_ptr + expert), BLOCK_R,
+                                              FRAGMENT_ROWS)
+        ROUNDED: gl.constexpr = rounded.type.layout
+        row_columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(0, ROUNDED))
+        row_slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROUNDED))
+        gl.store(intermediate_ptr + row_slots.to(gl.int64)[:, None] * width + row_columns[None, :], rounded)
+    else:
+        columns = slab_column * FRAGMENT_ROWS + gl.arange(0, FRAGMENT_ROWS, layout=gl.SliceLayout(1, ACCUMULATOR))
+        slots = tile * TILE_ROWS + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, ACCUMULATOR))
+        gl.store(intermediate_ptr + slots.to(gl.int64)[None, :] * width + columns[:, None], intermediate)
 
 
 # The down kernel starts on a routed tile as soon as gate_up has written that tile's intermediate rows, not after the
@@ -1422,7 +1428,9 @@ def nvfp4_gate_up_fragment_kernel(
     fragment_words_ptr,  # int32 [E, 2I/64, H/64, 512]: gate slabs, then up slabs, in fragment order
     block_scales_ptr,  # int32 [E, 2I, H/64]: the block scales as fragment_scales keeps them, four to a word
     global_scale_ptr,  # fp32 [E, 2]
-    intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot multiplied (a tile's first R, R/2 or R/4 slots)
+    down_input_scale_ptr,  # fp32 [E]: each expert's down input scale under W4A4, or None
+    intermediate_ptr,  # BF16 [P, I]: SiLU(gate) * up of each slot multiplied (a tile's first R, R/2 or R/4 slots),
+    # rounded to NVFP4 under W4A4
     tile_columns_done_ptr,  # int32 [P / R]: zeros; each program adds one for its tile once its columns are stored
     num_experts, hidden, width, pairs_per_row,  # as for nvfp4_gate_up_kernel
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
@@ -1435,7 +1443,7 @@ def nvfp4_gate_up_fragment_kernel(
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
-                intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
+                down_input_scale_ptr, intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
         _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
         _count_tile_column_done(tile_columns_done_ptr, tile)
 
@@ -1518,12 +1526,11 @@ def nvfp4_down_fragment_kernel(
     block_scales_ptr,  # int32 [E, H, I/64]: as for nvfp4_gate_up_fragment_kernel
     global_scale_ptr,  # fp32 [E]
     pair_outputs_ptr,  # BF16 [S, H]: routing weight * down projection of each pair
-    tile_columns_done_ptr,  # int32 [P / R]: gate_up's finished columns of each tile (read when WAIT_FOR_GATE_UP)
+    tile_columns_done_ptr,  # int32 [P / R]: gate_up's finished columns of each tile
     num_experts, hidden, width,
     BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
     SMALLEST_ROWS: gl.constexpr,  # as for nvfp4_gate_up_fragment_kernel: the same count, so the same slots
     SLAB_PAIRS: gl.constexpr,  # ExpertTiles.down_slab_pairs: two adjacent output slabs a program
-    WAIT_FOR_GATE_UP: gl.constexpr,  # launched while gate_up may still run: wait for each tile's columns
 ):
     # slab_group: one output slab of 64 columns, or a pair. The slab groups vary fastest, so a routed tile's programs
     # run side by side and read its input rows from L2 once fetched: at 2,048 tokens and more the input outgrows L2
@@ -1532,8 +1539,8 @@ def nvfp4_down_fragment_kernel(
     slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
     if expert < num_experts:
-        if WAIT_FOR_GATE_UP:
-            _wait_for_tile_columns(tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
+        # launched while gate_up may still run (programmatic dependent launch): wait for the tile's columns
+        _wait_for_tile_columns(tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
                 global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
         tile_work: gl.constexpr = _paired_down_tile if SLAB_PAIRS else _down_tile
@@ -1868,8 +1875,8 @@ class PackedNVFP4Experts(torch.nn.Module):
         return sum_top_k(pair_outputs, top_k, self.real_tokens)
 
     def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The gluon kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum. Under W4A4
-        the down input is rounded between the two, in place, by the Triton kernels' rounding helper."""
+        """The gluon kernels: route, gate_up with SiLU * up fused (under W4A4 also the down input's rounding), down
+        with the routing weight, top-k sum."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
@@ -1884,19 +1891,15 @@ class PackedNVFP4Experts(torch.nn.Module):
         intermediate = hidden_states.new_empty(num_tiles * tiles.rows, self.width)  # [P, I]
         nvfp4_gate_up_fragment_kernel[(self.width // FRAGMENT_ROWS.value, num_tiles)](
             gate_up_input.contiguous(), slot_pairs, tile_experts, self.gate_up_fragment_words,
-            self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale, intermediate, tile_columns_done,
+            self.gate_up_fragment_scales.view(torch.int32), self.gate_up_global_scale,
+            self.down_input_scale if self.simulate_fp4_activations else None, intermediate, tile_columns_done,
             self.num_experts, self.hidden, self.width, pairs_per_row, **common,
         )
-        # under W4A4 the rounding runs between the two kernels, so down follows it as any launch does
-        overlapped = not self.simulate_fp4_activations
-        if self.simulate_fp4_activations:
-            down_input_scale = self.down_input_scale[:1] if self.down_input_scales_shared else self.down_input_scale
-            round_activations_to_nvfp4(intermediate, down_input_scale, tile_experts=tile_experts)
         nvfp4_down_fragment_kernel[(self.hidden // (FRAGMENT_ROWS.value * (2 if slab_pairs else 1)), num_tiles)](
             intermediate, slot_pairs, tile_experts, top_k_weights.to(hidden_states.dtype).reshape(-1),
             self.down_fragment_words, self.down_fragment_scales.view(torch.int32), self.down_global_scale, pair_outputs,
-            tile_columns_done, self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs,
-            WAIT_FOR_GATE_UP=overlapped, launch_pdl=overlapped, **common,
+            tile_columns_done, self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs, launch_pdl=True,
+            **common,
         )
         return sum_top_k(pair_outputs, top_k, self.real_tokens)
 

@@ -2,7 +2,7 @@
 
 Checks (each counts toward the exit status; nothing is printed as OK that was not compared):
 1. The activations the W4A4 kernels round (`round_activations_to_nvfp4`, whose helper also rounds the down input in
-   the Triton gate_up kernel's epilogue and between the gluon kernels) equal the compiled replay the unpack path uses
+   the epilogues of both gate_up kernels, Triton and gluon) equal the compiled replay the unpack path uses
    (`fake_quant_nvfp4_activations_compiled`) bit for bit.
 2. On random full-size layers (128 experts, hidden 2048, width 768, top-8), the kernels' output equals the unpack +
    grouped_mm reference to within BF16 error, W4A16 and W4A4, at several token counts: the max and mean absolute

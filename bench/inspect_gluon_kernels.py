@@ -31,15 +31,16 @@ POINTER_TYPES = {
     "hidden_states_ptr": "*bf16", "intermediate_ptr": "*bf16", "routing_weights_ptr": "*bf16",
     "pair_outputs_ptr": "*bf16", "slot_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "fragment_words_ptr": "*i32",
     "block_scales_ptr": "*i32", "global_scale_ptr": "*fp32", "tile_columns_done_ptr": "*i32",
+    "down_input_scale_ptr": "*fp32",
 }
 MULTIPLES_OF_16 = ("hidden", "width")
 
 
 def compile_for_hopper(kernel, constexprs: dict):
     names = list(kernel.arg_names)
-    signature = {name: POINTER_TYPES.get(name, "constexpr" if name in constexprs else "i32") for name in names}
+    signature = {name: "constexpr" if name in constexprs else POINTER_TYPES.get(name, "i32") for name in names}
     aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
-               if name in POINTER_TYPES or name in MULTIPLES_OF_16}
+               if name not in constexprs and (name in POINTER_TYPES or name in MULTIPLES_OF_16)}
     source = GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
                             constexprs={(names.index(name),): value for name, value in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})  # one warp group, as served
@@ -146,7 +147,7 @@ def main() -> int:
 
     def constexprs(tiles, name):  # as forward_fragments launches them for the real model (hidden 2048: slabs pair up)
         common = {"BLOCK_R": tiles.rows, "STAGES": tiles.num_stages, "SMALLEST_ROWS": tiles.smallest_rows or tiles.rows}
-        return common | ({"SLAB_PAIRS": tiles.down_slab_pairs, "WAIT_FOR_GATE_UP": True} if name == "down" else {})
+        return common | ({"SLAB_PAIRS": tiles.down_slab_pairs} if name == "down" else {"down_input_scale_ptr": None})
 
     if args.sass:
         tiles = next(tiles for _, tiles in serve_clef.FRAGMENT_TILES if tiles.rows == args.rows)

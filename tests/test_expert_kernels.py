@@ -37,26 +37,6 @@ def test_kernel_rounding_equals_the_formula_bit_for_bit():
         assert torch.equal(rounded.view(torch.int16), expected.view(torch.int16))
 
 
-def test_padded_slots_are_rounded_in_place_with_their_tiles_expert_scales():
-    """The gluon kernels' W4A4 down input: slots [P, I] in tiles of R rows, each tile its expert's input scale; tiles
-    past the last (expert E) are left to whatever scale (no read beyond the scales), the rest match the formula."""
-    generator = torch.Generator().manual_seed(3)
-    rows = 4
-    tile_experts = torch.tensor([2, 0, 1, 3], dtype=torch.int32)  # [P / R]: the last tile past the last expert
-    input_scales = torch.tensor([0.01, 0.2, 3.0])  # [E]
-    slots = (torch.randn(16, 48, generator=generator) * 2).to(torch.bfloat16)  # [P, I], I not a power of two
-    before = slots.clone()
-    rounded = serve_clef.round_activations_to_nvfp4(slots, input_scales, tile_experts=tile_experts)
-    assert rounded.data_ptr() == slots.data_ptr()
-    for tile, expert in enumerate(tile_experts[:3].tolist()):
-        expected = reference_fake_quant(before[tile * rows:(tile + 1) * rows], input_scales[expert].item())
-        assert torch.equal(slots[tile * rows:(tile + 1) * rows].view(torch.int16),
-                           expected.to(torch.bfloat16).view(torch.int16))
-    shared = before.clone()
-    serve_clef.round_activations_to_nvfp4(shared, input_scales[1:2], tile_experts=tile_experts)
-    assert torch.equal(shared.view(torch.int16), reference_fake_quant(before, 0.2).to(torch.bfloat16).view(torch.int16))
-
-
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]  # by code
 
 
@@ -207,13 +187,17 @@ def test_fragment_words_decode_to_the_weights_where_the_operand_layout_reads_the
 
 
 class RecordedLaunches:
-    """Stands in for a Gluon kernel (which cannot run on CPU): records each launch's grid and constexprs."""
+    """Stands in for a Gluon kernel (which cannot run on CPU): records each launch's grid and constexprs, and its
+    positional arguments apart."""
 
     def __init__(self):
-        self.launches = []
+        self.launches, self.arguments = [], []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            self.arguments.append(args)
+        return launch
 
 
 @pytest.mark.parametrize("hidden", [192, 256, 320, 384])
@@ -246,10 +230,10 @@ def test_the_gluon_down_programs_cover_every_output_column_once(monkeypatch, hid
 
 
 @pytest.mark.parametrize("simulate_fp4_activations", [False, True], ids=["W4A16", "W4A4"])
-def test_the_gluon_down_kernel_starts_early_only_right_behind_gate_up(monkeypatch, simulate_fp4_activations):
-    """W4A16: down is launched while gate_up may still run (programmatic stream serialization) and waits in each tile
-    for gate_up's columns, counted in the routing's zeroed tile_columns_done. W4A4: the down input's rounding runs
-    between the two, so down is launched as any kernel is and waits for nothing."""
+def test_the_gluon_down_kernel_starts_right_behind_gate_up(monkeypatch, simulate_fp4_activations):
+    """down is launched while gate_up may still run (programmatic stream serialization) and waits in each tile for
+    gate_up's columns, counted in the routing's zeroed tile_columns_done; under W4A4 too, since gate_up's epilogue
+    rounds the down input (nothing is launched between the two)."""
     config = tiny_text_config()
     config.hidden_size, config.moe_intermediate_size = 128, 64
     experts = random_packed_experts(config, has_input_scales=True)
@@ -258,14 +242,18 @@ def test_the_gluon_down_kernel_starts_early_only_right_behind_gate_up(monkeypatc
     gate_up, down = RecordedLaunches(), RecordedLaunches()
     monkeypatch.setattr(serve_clef, "nvfp4_gate_up_fragment_kernel", gate_up)
     monkeypatch.setattr(serve_clef, "nvfp4_down_fragment_kernel", down)
+    rounding = RecordedLaunches()
+    monkeypatch.setattr(serve_clef, "nvfp4_round_activations_kernel", rounding)
     generator = torch.Generator().manual_seed(6)
     hidden_states = torch.randn(40, 128, generator=generator).to(torch.bfloat16)
     top_k_weights, top_k_index = torch.randn(40, 8, generator=generator).softmax(-1).topk(2, dim=-1)
     experts.forward_fragments(hidden_states, top_k_index, top_k_weights.to(torch.bfloat16))
     (_, gate_up_constexprs), = gate_up.launches
     (_, down_constexprs), = down.launches
-    assert down_constexprs["WAIT_FOR_GATE_UP"] is down_constexprs["launch_pdl"] is (not simulate_fp4_activations)
-    assert "launch_pdl" not in gate_up_constexprs  # gate_up follows the routing, which it reads from its start
+    down_input_scale = gate_up.arguments[0][6]  # W4A4: the down input rounded in gate_up's epilogue, with these
+    assert down_input_scale is (experts.down_input_scale if simulate_fp4_activations else None)
+    assert down_constexprs["launch_pdl"] is True
+    assert len(rounding.launches) == (1 if simulate_fp4_activations else 0)  # the gate_up input's, before gate_up
 
 
 def test_fragment_order_replaces_codes_and_scales_in_the_same_memory():
