@@ -989,9 +989,9 @@ def fitted_block(block: int, size: int) -> int:
 # gathered by token; down: the intermediate rows) go through a ring of cp.async copies in shared memory, the tensor
 # cores' right operand, which one warp group a program multiplies by one slab or two, their products in turn. The
 # W4A4 replay rounds the gate_up input before the gate_up kernel (round_activations_to_nvfp4) and the down input in
-# gate_up's epilogue, both with the Triton kernels' rounding helper. Gluon has no interpreter, so these kernels run on the GPU only:
-# bench/check_expert_kernels.py compares them there with the unpack reference, and the tests check on CPU the fragment
-# order and the decode PTX, instruction by instruction, and the launches' grids.
+# gate_up's epilogue, both with the Triton kernels' rounding helper. Gluon has no interpreter, so these kernels run on
+# the GPU only: bench/check_expert_kernels.py compares them there with the unpack reference, and the tests check on CPU
+# the fragment order and the decode PTX, instruction by instruction, and the launches' grids.
 FRAGMENT_ROWS = gl.constexpr(64)  # weight rows per slab: one warp group's M
 FRAGMENT_STEP = gl.constexpr(64)  # reduced columns per step: four k16 slices
 FRAGMENT_STEP_WORDS = gl.constexpr(64 * 64 // 8)  # 512 words a step, eight weights each
