@@ -119,3 +119,17 @@ def test_the_padding_s_pairs_take_no_slot(real_tokens):
 def test_a_real_token_count_past_the_tokens_skips_nothing():
     top_k_index = router_choices(40, 4, 16, seed=6)
     assert_routes_like_the_reference(top_k_index, 16, 16, real_tokens=41)
+
+
+@pytest.mark.parametrize(("num_tokens", "block_rows"), [(516, 64), (40, 16)])
+def test_every_output_is_written_whatever_the_memory_held(monkeypatch, num_tokens, block_rows):
+    """Fresh CPU memory is often zeros, which a routing that never wrote tile_columns_done (the counts the gluon
+    down kernel waits on: a stale count lets it read a tile before gate_up wrote it) or a padding slot would pass
+    unseen. Here every buffer the routing allocates starts as garbage: the outputs must still be the reference's."""
+    allocate = torch.Tensor.new_empty
+
+    def garbage(tensor, *size, **kwargs):
+        return allocate(tensor, *size, **kwargs).fill_(0x5A5A5A5A if kwargs.get("dtype") == torch.int32 else 7)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", garbage)
+    assert_routes_like_the_reference(router_choices(num_tokens, 8, 128, seed=7), 128, block_rows)
