@@ -134,15 +134,21 @@ def profiled(run) -> dict:
     }
 
 
+def text_cases(loaded, max_length: int) -> dict[str, list]:
+    """The encoded text records timed here and by time_forward.py: one of 516 tokens, and 16 of 480-510."""
+    tokenizer = loaded.processor.tokenizer
+    return {
+        "1 record": [serve_clef.prepare(loaded, text_request(tokenizer, 516, 4242), max_length).encoded],
+        "16 records": [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), max_length).encoded
+                       for i in range(16)],
+    }
+
+
 def main() -> int:
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
     loaded = serve_clef.load_from_args(args, progress=lambda line: print("   ", line, flush=True))
-    tokenizer = loaded.processor.tokenizer
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    single = [serve_clef.prepare(loaded, text_request(tokenizer, 516, 4242), args.max_length).encoded]
-    sixteen = [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), args.max_length).encoded
-               for i in range(16)]
-    cases = {"1 record": single, "16 records": sixteen}
+    cases = text_cases(loaded, args.max_length)
     cases.update({name: [serve_clef.prepare(loaded, request, args.max_length).encoded]
                   for name, request in media_requests().items()})
     for name, records in cases.items():

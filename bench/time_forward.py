@@ -11,7 +11,7 @@ to compare main's tree (extracted in base/) with this one, give base/ a copy of 
     python3 bench/time_forward.py --compare main changed
 
 Usage: python3 bench/time_forward.py NAME [OPTION=VALUE ...]   (OPTION: a torch._inductor.config name)
-       python3 bench/time_forward.py --compare NAME NAME       (max |difference| of the saved logits)
+       python3 bench/time_forward.py --compare NAME NAME       (largest logit and probability differences)
 """
 
 import ast
@@ -54,19 +54,12 @@ def main() -> int:
         settings[key] = ast.literal_eval(value)
         setattr(inductor_config, key, settings[key])
     import serve_clef
-    from bench_serve import text_request
-    from profile_forward import profiled, unsynchronised_milliseconds
+    from profile_forward import profiled, text_cases, unsynchronised_milliseconds
 
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
     loaded = serve_clef.load_from_args(args, progress=lambda line: None)
-    tokenizer = loaded.processor.tokenizer
-    cases = {
-        "1 record": [serve_clef.prepare(loaded, text_request(tokenizer, 516, 4242), args.max_length).encoded],
-        "16 records": [serve_clef.prepare(loaded, text_request(tokenizer, 480 + 2 * i, 500 + i), args.max_length).encoded
-                       for i in range(16)],
-    }
     report, logits = {"name": name, "settings": settings}, {}
-    for case, records in cases.items():
+    for case, records in text_cases(loaded, args.max_length).items():
         logits[case] = serve_clef.score_records(loaded, records)
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
         report[case] = {"as_served_ms": unsynchronised_milliseconds(loaded, records, repeats=9),
