@@ -2,22 +2,29 @@
 torch._inductor.config options if given, set before the load so the decoder layers' compile takes them.
 
 For each: the forward as served (median of 9), torch.profiler's GPU busy time, launches and largest kernels, and the
-answers' option logits saved to $OUT/NAME.pt. Run it once per setting or per tree (each in its own process: a load
-takes 110-150 s on an H100), then compare the saved logits. It imports the serve_clef.py of the tree it lies in, so
-to compare main's tree (extracted in base/) with this one, give base/ a copy of this script:
+answers' option logits saved to $OUT/NAME.pt. Then lone decisions as users send them: 16 new texts of 484-544
+tokens, each decided once (`decide`, synchronised), their median. Run it once per setting or per tree (each in its
+own process: a load takes 110-150 s on an H100), then compare the saved logits. It imports the serve_clef.py of the
+tree it lies in, so to compare main's tree (extracted in base/) with this one, give base/ a copy of this script.
+`--after FILE` lets two processes load side by side and time one after the other: each writes $OUT/NAME.loaded once
+loaded, then waits until FILE exists, and writes $OUT/NAME.done when it has timed everything:
 
-    python3 bench/time_forward.py changed
-    cp bench/time_forward.py base/bench/ && (cd base && python3 bench/time_forward.py main)
+    cp bench/time_forward.py base/bench/
+    python3 bench/time_forward.py changed --after "$OUT/go" &
+    (cd base && python3 bench/time_forward.py main --after "$OUT/changed.done") &
+    until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]; do sleep 1; done; touch "$OUT/go"; wait
     python3 bench/time_forward.py --compare main changed
 
-Usage: python3 bench/time_forward.py NAME [OPTION=VALUE ...]   (OPTION: a torch._inductor.config name)
+Usage: python3 bench/time_forward.py NAME [--after FILE] [OPTION=VALUE ...]   (OPTION: a torch._inductor.config name)
        python3 bench/time_forward.py --compare NAME NAME       (largest logit and probability differences)
 """
 
 import ast
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,16 +55,25 @@ def main() -> int:
     if sys.argv[1] == "--compare":
         return compare(sys.argv[2], sys.argv[3])
     import torch._inductor.config as inductor_config
-    name, settings = sys.argv[1], {}
-    for item in sys.argv[2:]:
+    name, options = sys.argv[1], sys.argv[2:]
+    after = None
+    if options[:1] == ["--after"]:
+        after, options = Path(options[1]), options[2:]
+    settings = {}
+    for item in options:
         key, _, value = item.partition("=")
         settings[key] = ast.literal_eval(value)
         setattr(inductor_config, key, settings[key])
     import serve_clef
+    from bench_serve import text_request, timed_decision
     from profile_forward import profiled, text_cases, unsynchronised_milliseconds
 
     args = serve_clef.parse_args(["--model", "synthetic:full", "--device", "cuda"])
     loaded = serve_clef.load_from_args(args, progress=lambda line: None)
+    out = Path(os.environ.get("OUT", "."))
+    (out / f"{name}.loaded").touch()
+    while after is not None and not after.exists():  # the other process times first
+        time.sleep(0.5)
     report, logits = {"name": name, "settings": settings}, {}
     for case, records in text_cases(loaded, args.max_length).items():
         logits[case] = serve_clef.score_records(loaded, records)
@@ -66,9 +82,17 @@ def main() -> int:
                         "gpu_busy_ms": profile["gpu_busy_ms"], "launches": profile["kernel_launches"],
                         "top_kernels": profile["top_kernels"][:12]}
         print(name, case, json.dumps(report[case]), flush=True)
-    out = Path(os.environ.get("OUT", "."))
+    # lone decisions on new texts, each timed once (seeds apart from text_cases' and from check_engine_gpu.py's)
+    tokenizer = loaded.processor.tokenizer
+    timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length), text_request(tokenizer, 500, 1))
+    times = [timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length),
+                            text_request(tokenizer, 484 + 4 * i, 700 + i))[0] for i in range(16)]
+    report["lone decisions, new texts"] = {"median_ms": round(statistics.median(times), 2),
+                                           "ms": [round(t, 2) for t in times]}
+    print(name, "lone decisions, new texts", json.dumps(report["lone decisions, new texts"]), flush=True)
     torch.save(logits, out / f"{name}.pt")
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (out / f"{name}.done").touch()
     return 0
 
 
