@@ -3540,6 +3540,87 @@ class FusedTopKRouter(torch.nn.Module):
         return router_logits, *route_top_k(router_logits, router.top_k, router.norm_topk_prob)
 
 
+# The q and k norms (transformers' RMSNorm over each head's D values) and the rotary embedding, for every head of the
+# fused q, k, v product's output, in one launch that reads each row once. Inductor's two kernels for them took 0.45 ms
+# of a 517-token forward's GPU work and 4.5 ms of a 16-record one on an H100, this one 0.31 and 3.69 ms (2026-12-07,
+# docs/benchmarks.md). It rounds to BF16 where transformers' eager BF16 maths rounds (the norm's product by its weight,
+# each rotary product and their sum).
+NORM_ROTATE_TOKENS = 16  # tokens a program
+
+
+@triton.jit(do_not_specialize=["num_tokens", "qkv_stride"])
+def norm_rotate_query_key_kernel(
+    qkv_ptr,  # BF16 [N, W] rows of stride qkv_stride: the Hq query heads' D columns, then the Hkv key heads' (then v)
+    query_norm_weight_ptr, key_norm_weight_ptr,  # BF16 [D]: transformers' q_norm and k_norm weights
+    cos_ptr, sin_ptr,  # BF16 [N, D]: the rotary embedding of each token
+    query_ptr, key_ptr,  # BF16 [N, Hq, D], [N, Hkv, D] out: normed and rotated
+    num_tokens, qkv_stride, eps,
+    QUERY_HEADS: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    # program (tokens block, head): heads 0..Hq-1 are the queries', Hq.. the keys' (adjacent in the fused product)
+    head = tl.program_id(1)
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
+    HALF: tl.constexpr = HEAD_DIM // 2
+    halves = tl.arange(0, HALF)  # [D/2]: rotate_half pairs column d with d + D/2
+    in_range = tokens[:, None] < num_tokens
+    row = qkv_ptr + tokens[:, None] * qkv_stride + head * HEAD_DIM + halves[None, :]  # [BT, D/2]
+    first = tl.load(row, mask=in_range, other=0.0).to(tl.float32)
+    second = tl.load(row + HALF, mask=in_range, other=0.0).to(tl.float32)
+    if head < QUERY_HEADS:
+        weight_ptr = query_norm_weight_ptr
+        out = query_ptr + (tokens[:, None] * QUERY_HEADS + head) * HEAD_DIM + halves[None, :]
+    else:
+        weight_ptr = key_norm_weight_ptr
+        out = key_ptr + (tokens[:, None] * KEY_HEADS + head - QUERY_HEADS) * HEAD_DIM + halves[None, :]
+    # RMSNorm as transformers computes it: fp32 mean of squares, times its reciprocal root, to BF16, times the weight
+    variance = (tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HEAD_DIM  # [BT]
+    inverse_root = tl.math.rsqrt(variance + eps)[:, None]
+    first_weight = tl.load(weight_ptr + halves).to(tl.float32)[None, :]
+    second_weight = tl.load(weight_ptr + HALF + halves).to(tl.float32)[None, :]
+    first = _round_to_bf16(first_weight * _round_to_bf16(first * inverse_root).to(tl.float32)).to(tl.float32)
+    second = _round_to_bf16(second_weight * _round_to_bf16(second * inverse_root).to(tl.float32)).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first), each product and the sum rounded to BF16
+    angles = tokens[:, None] * HEAD_DIM + halves[None, :]
+    cos_first = tl.load(cos_ptr + angles, mask=in_range, other=0.0).to(tl.float32)
+    cos_second = tl.load(cos_ptr + angles + HALF, mask=in_range, other=0.0).to(tl.float32)
+    sin_first = tl.load(sin_ptr + angles, mask=in_range, other=0.0).to(tl.float32)
+    sin_second = tl.load(sin_ptr + angles + HALF, mask=in_range, other=0.0).to(tl.float32)
+    rotated_first = (_round_to_bf16(first * cos_first).to(tl.float32)
+                     - _round_to_bf16(second * sin_first).to(tl.float32))
+    rotated_second = (_round_to_bf16(second * cos_second).to(tl.float32)
+                      + _round_to_bf16(first * sin_second).to(tl.float32))
+    tl.store(out, _round_to_bf16(rotated_first), mask=in_range)
+    tl.store(out + HALF, _round_to_bf16(rotated_second), mask=in_range)
+
+
+# A custom op, as route_top_k: one opaque call inside the compiled decoder layers
+@torch.library.custom_op("serve_clef::norm_rotate_query_key", mutates_args=())
+def norm_rotate_query_key(qkv: torch.Tensor, query_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, eps: float, query_heads: int,
+                          key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv BF16 [N, W] (the fused q, k, v product, q's heads first, then k's), cos and sin [N, D] -> query
+    [N, Hq, D] and key [N, Hkv, D]: transformers' q_norm and k_norm, then apply_rotary_pos_emb, in one launch."""
+    query, key = norm_rotate_query_key_outputs(qkv, query_norm_weight, key_norm_weight, cos, sin, eps, query_heads,
+                                               key_heads)
+    num_tokens, head_dim = qkv.shape[0], query_norm_weight.shape[0]
+    norm_rotate_query_key_kernel[(triton.cdiv(num_tokens, NORM_ROTATE_TOKENS), query_heads + key_heads)](
+        qkv, query_norm_weight, key_norm_weight, cos.contiguous(), sin.contiguous(), query, key, num_tokens,
+        qkv.stride(0), eps, QUERY_HEADS=query_heads, KEY_HEADS=key_heads, HEAD_DIM=head_dim,
+        BLOCK_T=NORM_ROTATE_TOKENS, num_warps=4,
+    )
+    return query, key
+
+
+@norm_rotate_query_key.register_fake
+def norm_rotate_query_key_outputs(qkv: torch.Tensor, query_norm_weight: torch.Tensor, key_norm_weight: torch.Tensor,
+                                  cos: torch.Tensor, sin: torch.Tensor, eps: float, query_heads: int,
+                                  key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_rotate_query_key's outputs, empty (for torch.compile)."""
+    num_tokens, head_dim = qkv.shape[0], query_norm_weight.shape[0]
+    return (qkv.new_empty(num_tokens, query_heads, head_dim),  # [N, Hq, D]
+            qkv.new_empty(num_tokens, key_heads, head_dim))  # [N, Hkv, D]
+
+
 class FusedQKVAttention(torch.nn.Module):
     """Stands in for transformers' Qwen3-Omni text attention (Qwen3OmniMoeThinkerTextAttention) in the compiled
     decoder layers, with its forward signature and its maths, but its q, k and v projections as one matrix product:
@@ -3566,6 +3647,10 @@ class FusedQKVAttention(torch.nn.Module):
                 projection.bias = torch.nn.Parameter(bias, requires_grad=False)
         # transformers' module of the attention: its rotary embedding, attention registry and eager attention
         self.modeling = sys.modules[type(attention).__module__]
+        # the q and k norms and the rotary embedding in one launch (norm_rotate_query_key): on CUDA (on CPU it would run
+        # interpreted), for heads of a power-of-two size (Triton's shapes), as the model's 128 are
+        head_dim = attention.head_dim
+        self.norms_in_one_launch = attention.q_proj.weight.is_cuda and head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
     @staticmethod
     def fusable(attention: torch.nn.Module) -> bool:
@@ -3586,13 +3671,22 @@ class FusedQKVAttention(torch.nn.Module):
         attention = self.attention
         tokens_shape = hidden_states.shape[:-1]
         heads_shape = (*tokens_shape, -1, attention.head_dim)
-        query, key, value = torch.nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(
-            self.widths, dim=-1)  # [B, T, Hq D], [B, T, Hkv D], [B, T, Hkv D]
-        query = attention.q_norm(query.view(heads_shape)).transpose(1, 2)  # [B, Hq, T, D]
-        key = attention.k_norm(key.view(heads_shape)).transpose(1, 2)  # [B, Hkv, T, D]
+        qkv = torch.nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias)  # [B, T, Hq D + 2 Hkv D]
+        query, key, value = qkv.split(self.widths, dim=-1)  # [B, T, Hq D], [B, T, Hkv D], [B, T, Hkv D]
         value = value.view(heads_shape).transpose(1, 2)  # [B, Hkv, T, D]
-        cos, sin = position_embeddings
-        query, key = self.modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        cos, sin = position_embeddings  # [B, T, D] each
+        if self.norms_in_one_launch:
+            query, key = norm_rotate_query_key(
+                qkv.view(-1, qkv.shape[-1]), attention.q_norm.weight, attention.k_norm.weight,
+                cos.reshape(-1, attention.head_dim), sin.reshape(-1, attention.head_dim),
+                attention.q_norm.variance_epsilon, self.widths[0] // attention.head_dim,
+                self.widths[1] // attention.head_dim)  # [B T, Hq, D], [B T, Hkv, D]
+            query = query.view(heads_shape).transpose(1, 2)  # [B, Hq, T, D]
+            key = key.view(heads_shape).transpose(1, 2)  # [B, Hkv, T, D]
+        else:
+            query = attention.q_norm(query.view(heads_shape)).transpose(1, 2)  # [B, Hq, T, D]
+            key = attention.k_norm(key.view(heads_shape)).transpose(1, 2)  # [B, Hkv, T, D]
+            query, key = self.modeling.apply_rotary_pos_emb(query, key, cos, sin)
         attend = self.modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation,
                                                                      self.modeling.eager_attention_forward)
         output, weights = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,

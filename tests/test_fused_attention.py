@@ -52,8 +52,11 @@ def test_fused_projections_attend_as_transformers_attention(dtype, bias):
     assert fused.qkv_weight.shape == (4 * HEAD_DIM + 2 * 2 * HEAD_DIM, 64)
 
 
-def test_fused_attention_compiles_into_one_graph_for_any_length():
+@pytest.mark.parametrize("norms_in_one_launch", [False, True], ids=["transformers' norms", "one launch"])
+def test_fused_attention_compiles_into_one_graph_for_any_length(norms_in_one_launch):
+    """Also with the norms and rotary embedding as one opaque op (norm_rotate_query_key, forced on: served on CUDA)."""
     fused = serve_clef.FusedQKVAttention(attention_module(torch.bfloat16, seed=3))
+    fused.norms_in_one_launch = norms_in_one_launch
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     compiled = torch.compile(fused, dynamic=True)
@@ -82,3 +85,40 @@ def test_a_kv_cache_is_refused():
     hidden_states, position_embeddings = attention_inputs(4, torch.float32)
     with pytest.raises(ValueError, match="no KV cache"):
         fused(hidden_states, position_embeddings, None, cache=object())
+
+
+def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_them():
+    """norm_rotate_query_key (Triton's interpreter here) against transformers' own q_norm, k_norm and
+    apply_rotary_pos_emb in BF16, on the model's head size (128) with real rotary angles, and the whole attention
+    with it. It rounds where eager BF16 rounds; only the order of the norm's fp32 sum of squares may differ."""
+    config = configuration_qwen3_omni_moe.Qwen3OmniMoeTextConfig(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    config._attn_implementation = "sdpa"
+    attention = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention(config, layer_idx=0)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in attention.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2 + (parameter.ndim == 1))
+    attention = attention.to(torch.bfloat16).eval()
+    num_tokens = 21  # not a multiple of the kernel's 16 tokens a program
+    hidden_states = torch.randn(1, num_tokens, 256, generator=generator).to(torch.bfloat16)
+    positions = torch.arange(num_tokens)[None, None].expand(3, 1, num_tokens) * torch.tensor([1, 2, 3])[:, None, None]
+    cos, sin = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextRotaryEmbedding(config)(hidden_states, positions)
+    with torch.inference_mode():
+        query = attention.q_norm(attention.q_proj(hidden_states).view(1, num_tokens, 4, 128)).transpose(1, 2)
+        key = attention.k_norm(attention.k_proj(hidden_states).view(1, num_tokens, 2, 128)).transpose(1, 2)
+        expected_query, expected_key = modeling_qwen3_omni_moe.apply_rotary_pos_emb(query, key, cos, sin)
+        fused = serve_clef.FusedQKVAttention(attention)
+        qkv = torch.nn.functional.linear(hidden_states, fused.qkv_weight)[0]  # [T, W]
+        got_query, got_key = serve_clef.norm_rotate_query_key(qkv, attention.q_norm.weight, attention.k_norm.weight,
+                                                              cos[0], sin[0], attention.q_norm.variance_epsilon, 4, 2)
+        for got, expected in ((got_query, expected_query), (got_key, expected_key)):
+            assert got.shape == expected.transpose(1, 2)[0].shape
+            differ = got.view(torch.int16) != expected.transpose(1, 2)[0].contiguous().view(torch.int16)
+            assert differ.float().mean() < 0.002  # a BF16 rounding flipped by the sum's order, at most
+            torch.testing.assert_close(got, expected.transpose(1, 2)[0], rtol=2**-7, atol=1e-3)
+        # the whole attention through the one launch (forced on here, on CUDA only when served)
+        expected_output, _ = attention(hidden_states, (cos, sin), None)
+        fused.norms_in_one_launch = True
+        got_output, _ = fused(hidden_states, (cos, sin), None)
+    torch.testing.assert_close(got_output, expected_output, rtol=2e-2, atol=2e-2)
