@@ -11,10 +11,13 @@ tree it lies in, so to compare main's tree (extracted in base/) with this one, g
 loaded, then waits until FILE exists, and writes $OUT/NAME.done when it has timed everything:
 
     cp bench/time_forward.py base/bench/
-    python3 bench/time_forward.py changed --after "$OUT/go" &
-    (cd base && python3 bench/time_forward.py main --after "$OUT/changed.done") &
-    until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]; do sleep 1; done; touch "$OUT/go"; wait
+    python3 bench/time_forward.py changed --after "$OUT/go" & changed=$!
+    (cd base && python3 bench/time_forward.py main --after "$OUT/changed.done") & main=$!
+    until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]; do kill -0 $changed $main || break; sleep 1; done
+    touch "$OUT/go"; wait
     python3 bench/time_forward.py --compare main changed
+
+(the loop stops waiting once either process has ended, so that one that failed to start costs no device time).
 
 Usage: python3 bench/time_forward.py NAME [--after FILE] [OPTION=VALUE ...]   (OPTION: a torch._inductor.config name)
        python3 bench/time_forward.py --compare NAME NAME       (largest logit and probability differences)
