@@ -13,7 +13,8 @@ loaded, then waits until FILE exists, and writes $OUT/NAME.done when it has time
     cp bench/time_forward.py base/bench/
     python3 bench/time_forward.py changed --after "$OUT/go" & changed=$!
     (cd base && python3 bench/time_forward.py main --after "$OUT/changed.done") & main=$!
-    until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]; do kill -0 $changed && kill -0 $main || break; sleep 1; done
+    until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]
+    do kill -0 $changed && kill -0 $main || break; sleep 1; done
     touch "$OUT/go"; wait
     python3 bench/time_forward.py --compare main changed
 
