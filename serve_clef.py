@@ -3649,10 +3649,11 @@ class FusedQKVAttention(torch.nn.Module):
         self.modeling = sys.modules[type(attention).__module__]
         # the q and k norms and the rotary embedding in one launch (norm_rotate_query_key): on CUDA (on CPU it would run
         # interpreted), in BF16 (where it rounds as eager BF16 does), for heads of a power-of-two size (Triton's
-        # shapes), as the model's 128 are
+        # shapes), as the model's 128 are, and with one epsilon for both norms (the kernel takes one)
         head_dim, weight = attention.head_dim, attention.q_proj.weight
         self.norms_in_one_launch = (weight.is_cuda and weight.dtype == torch.bfloat16 and head_dim >= 2
-                                    and head_dim & (head_dim - 1) == 0)
+                                    and head_dim & (head_dim - 1) == 0
+                                    and attention.q_norm.variance_epsilon == attention.k_norm.variance_epsilon)
 
     @staticmethod
     def fusable(attention: torch.nn.Module) -> bool:
