@@ -89,9 +89,9 @@ def main() -> int:
         print(name, case, json.dumps(report[case]), flush=True)
     # lone decisions on new texts, each timed once (seeds apart from text_cases' and from check_engine_gpu.py's)
     tokenizer = loaded.processor.tokenizer
-    timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length), text_request(tokenizer, 500, 1))
-    times = [timed_decision(lambda request: serve_clef.decide(loaded, request, args.max_length),
-                            text_request(tokenizer, 484 + 4 * i, 700 + i))[0] for i in range(16)]
+    decide = lambda request: serve_clef.decide(loaded, request, args.max_length)  # noqa: E731
+    timed_decision(decide, text_request(tokenizer, 500, 1))  # a warm-up, not counted
+    times = [timed_decision(decide, text_request(tokenizer, 484 + 4 * i, 700 + i))[0] for i in range(16)]
     report["lone decisions, new texts"] = {"median_ms": round(statistics.median(times), 2),
                                            "ms": [round(t, 2) for t in times]}
     print(name, "lone decisions, new texts", json.dumps(report["lone decisions, new texts"]), flush=True)
