@@ -3542,10 +3542,12 @@ class FusedTopKRouter(torch.nn.Module):
 
 # The q and k norms (transformers' RMSNorm over each head's D values) and the rotary embedding, for every head of the
 # fused q, k, v product's output, in one launch that reads each row once. Inductor's two kernels for them took 0.45 ms
-# of a 517-token forward's GPU work and 4.5 ms of a 16-record one on an H100, this one 0.31 and 3.69 ms (2026-12-07,
-# docs/benchmarks.md). It rounds to BF16 where transformers' eager BF16 maths rounds (the norm's product by its weight,
-# each rotary product and their sum).
+# of a 517-token forward's GPU work and 4.5 ms of a 16-record one on an H100, this one 0.31 and 3.69 ms with a head a
+# program (2026-12-07, docs/benchmarks.md). A program takes several heads of its tokens, all queries' or all keys', so
+# that it reads their cos and sin once rather than once a head. It rounds to BF16 where transformers' eager BF16
+# maths rounds (the norm's product by its weight, each rotary product and their sum).
 NORM_ROTATE_TOKENS = 16  # tokens a program
+NORM_ROTATE_HEADS = 4  # the most heads a program: the model's 32 query and 4 key heads make 9 programs a token block
 
 
 @triton.jit(do_not_specialize=["num_tokens", "qkv_stride"])
@@ -3556,41 +3558,45 @@ def norm_rotate_query_key_kernel(
     query_ptr, key_ptr,  # BF16 [N, Hq, D], [N, Hkv, D] out: normed and rotated
     num_tokens, qkv_stride, eps,
     QUERY_HEADS: tl.constexpr, KEY_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEADS: tl.constexpr,  # heads a program, dividing both QUERY_HEADS and KEY_HEADS
 ):
-    # program (tokens block, head): heads 0..Hq-1 are the queries', Hq.. the keys' (adjacent in the fused product)
-    head = tl.program_id(1)
+    # program (tokens block, group of HEADS heads): heads 0..Hq-1 are the queries', Hq.. the keys' (adjacent in the
+    # fused product), so a group is all queries or all keys
+    first_head = tl.program_id(1) * HEADS
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT]
     HALF: tl.constexpr = HEAD_DIM // 2
     halves = tl.arange(0, HALF)  # [D/2]: rotate_half pairs column d with d + D/2
     in_range = tokens[:, None] < num_tokens
-    row = qkv_ptr + tokens[:, None] * qkv_stride + head * HEAD_DIM + halves[None, :]  # [BT, D/2]
-    first = tl.load(row, mask=in_range, other=0.0).to(tl.float32)
-    second = tl.load(row + HALF, mask=in_range, other=0.0).to(tl.float32)
-    if head < QUERY_HEADS:
+    if first_head < QUERY_HEADS:
         weight_ptr = query_norm_weight_ptr
-        out = query_ptr + (tokens[:, None] * QUERY_HEADS + head) * HEAD_DIM + halves[None, :]
+        out = query_ptr + (tokens[:, None] * QUERY_HEADS + first_head) * HEAD_DIM + halves[None, :]  # [BT, D/2]
     else:
         weight_ptr = key_norm_weight_ptr
-        out = key_ptr + (tokens[:, None] * KEY_HEADS + head - QUERY_HEADS) * HEAD_DIM + halves[None, :]
-    # RMSNorm as transformers computes it: fp32 mean of squares, times its reciprocal root, to BF16, times the weight
-    variance = (tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HEAD_DIM  # [BT]
-    inverse_root = tl.math.rsqrt(variance + eps)[:, None]
+        out = key_ptr + (tokens[:, None] * KEY_HEADS + first_head - QUERY_HEADS) * HEAD_DIM + halves[None, :]
     first_weight = tl.load(weight_ptr + halves).to(tl.float32)[None, :]
     second_weight = tl.load(weight_ptr + HALF + halves).to(tl.float32)[None, :]
-    first = _round_to_bf16(first_weight * _round_to_bf16(first * inverse_root).to(tl.float32)).to(tl.float32)
-    second = _round_to_bf16(second_weight * _round_to_bf16(second * inverse_root).to(tl.float32)).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first), each product and the sum rounded to BF16
-    angles = tokens[:, None] * HEAD_DIM + halves[None, :]
+    angles = tokens[:, None] * HEAD_DIM + halves[None, :]  # [BT, D/2]
     cos_first = tl.load(cos_ptr + angles, mask=in_range, other=0.0).to(tl.float32)
     cos_second = tl.load(cos_ptr + angles + HALF, mask=in_range, other=0.0).to(tl.float32)
     sin_first = tl.load(sin_ptr + angles, mask=in_range, other=0.0).to(tl.float32)
     sin_second = tl.load(sin_ptr + angles + HALF, mask=in_range, other=0.0).to(tl.float32)
-    rotated_first = (_round_to_bf16(first * cos_first).to(tl.float32)
-                     - _round_to_bf16(second * sin_first).to(tl.float32))
-    rotated_second = (_round_to_bf16(second * cos_second).to(tl.float32)
-                      + _round_to_bf16(first * sin_second).to(tl.float32))
-    tl.store(out, _round_to_bf16(rotated_first), mask=in_range)
-    tl.store(out + HALF, _round_to_bf16(rotated_second), mask=in_range)
+    for head in tl.static_range(HEADS):
+        row = qkv_ptr + tokens[:, None] * qkv_stride + (first_head + head) * HEAD_DIM + halves[None, :]  # [BT, D/2]
+        first = tl.load(row, mask=in_range, other=0.0).to(tl.float32)
+        second = tl.load(row + HALF, mask=in_range, other=0.0).to(tl.float32)
+        # RMSNorm as transformers computes it: fp32 mean of squares, times its reciprocal root, to BF16, times the
+        # weight
+        variance = (tl.sum(first * first, axis=1) + tl.sum(second * second, axis=1)) / HEAD_DIM  # [BT]
+        inverse_root = tl.math.rsqrt(variance + eps)[:, None]
+        first = _round_to_bf16(first_weight * _round_to_bf16(first * inverse_root).to(tl.float32)).to(tl.float32)
+        second = _round_to_bf16(second_weight * _round_to_bf16(second * inverse_root).to(tl.float32)).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-second, first), each product and the sum rounded to BF16
+        rotated_first = (_round_to_bf16(first * cos_first).to(tl.float32)
+                         - _round_to_bf16(second * sin_first).to(tl.float32))
+        rotated_second = (_round_to_bf16(second * cos_second).to(tl.float32)
+                          + _round_to_bf16(first * sin_second).to(tl.float32))
+        tl.store(out + head * HEAD_DIM, _round_to_bf16(rotated_first), mask=in_range)
+        tl.store(out + head * HEAD_DIM + HALF, _round_to_bf16(rotated_second), mask=in_range)
 
 
 # A custom op, as route_top_k: one opaque call inside the compiled decoder layers
@@ -3603,10 +3609,11 @@ def norm_rotate_query_key(qkv: torch.Tensor, query_norm_weight: torch.Tensor, ke
     query, key = norm_rotate_query_key_outputs(qkv, query_norm_weight, key_norm_weight, cos, sin, eps, query_heads,
                                                key_heads)
     num_tokens, head_dim = qkv.shape[0], query_norm_weight.shape[0]
-    norm_rotate_query_key_kernel[(triton.cdiv(num_tokens, NORM_ROTATE_TOKENS), query_heads + key_heads)](
+    heads = math.gcd(query_heads, key_heads, NORM_ROTATE_HEADS)  # a program's heads: all queries' or all keys'
+    norm_rotate_query_key_kernel[(triton.cdiv(num_tokens, NORM_ROTATE_TOKENS), (query_heads + key_heads) // heads)](
         qkv, query_norm_weight, key_norm_weight, cos.contiguous(), sin.contiguous(), query, key, num_tokens,
         qkv.stride(0), eps, QUERY_HEADS=query_heads, KEY_HEADS=key_heads, HEAD_DIM=head_dim,
-        BLOCK_T=NORM_ROTATE_TOKENS, num_warps=4,
+        BLOCK_T=NORM_ROTATE_TOKENS, HEADS=heads, num_warps=4,
     )
     return query, key
 

@@ -87,12 +87,13 @@ def test_a_kv_cache_is_refused():
         fused(hidden_states, position_embeddings, None, cache=object())
 
 
-def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_them():
+@pytest.mark.parametrize(("query_heads", "key_heads"), [(4, 2), (8, 4)])  # 2 and 4 heads a program
+def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_them(query_heads, key_heads):
     """norm_rotate_query_key (Triton's interpreter here) against transformers' own q_norm, k_norm and
     apply_rotary_pos_emb in BF16, on the model's head size (128) with real rotary angles, and the whole attention
     with it. It rounds where eager BF16 rounds; only the order of the norm's fp32 sum of squares may differ."""
     config = configuration_qwen3_omni_moe.Qwen3OmniMoeTextConfig(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+        hidden_size=256, num_attention_heads=query_heads, num_key_value_heads=key_heads, head_dim=128)
     config._attn_implementation = "sdpa"
     attention = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention(config, layer_idx=0)
     generator = torch.Generator().manual_seed(7)
@@ -105,13 +106,14 @@ def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_t
     positions = torch.arange(num_tokens)[None, None].expand(3, 1, num_tokens) * torch.tensor([1, 2, 3])[:, None, None]
     cos, sin = modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextRotaryEmbedding(config)(hidden_states, positions)
     with torch.inference_mode():
-        query = attention.q_norm(attention.q_proj(hidden_states).view(1, num_tokens, 4, 128)).transpose(1, 2)
-        key = attention.k_norm(attention.k_proj(hidden_states).view(1, num_tokens, 2, 128)).transpose(1, 2)
+        query = attention.q_norm(attention.q_proj(hidden_states).view(1, num_tokens, query_heads, 128)).transpose(1, 2)
+        key = attention.k_norm(attention.k_proj(hidden_states).view(1, num_tokens, key_heads, 128)).transpose(1, 2)
         expected_query, expected_key = modeling_qwen3_omni_moe.apply_rotary_pos_emb(query, key, cos, sin)
         fused = serve_clef.FusedQKVAttention(attention)
         qkv = torch.nn.functional.linear(hidden_states, fused.qkv_weight)[0]  # [T, W]
         got_query, got_key = serve_clef.norm_rotate_query_key(qkv, attention.q_norm.weight, attention.k_norm.weight,
-                                                              cos[0], sin[0], attention.q_norm.variance_epsilon, 4, 2)
+                                                              cos[0], sin[0], attention.q_norm.variance_epsilon,
+                                                              query_heads, key_heads)
         for got, expected in ((got_query, expected_query), (got_key, expected_key)):
             assert got.shape == expected.transpose(1, 2)[0].shape
             differ = got.view(torch.int16) != expected.transpose(1, 2)[0].contiguous().view(torch.int16)
