@@ -883,6 +883,9 @@ def route_to_row_tiles(top_k_index: torch.Tensor, num_experts: int, block_rows: 
 # at about 1.5 TB/s at 516 tokens on an H200 (0.53 ms of the decision's GPU work), and because it knows the
 # padding: its tokens' outputs are zeros, read from nowhere, so the down kernel never has to write their pairs.
 # On an H100 it took 0.40 ms of a 517-token forward and 4.97 ms of a 16-record one (about 2.5 TB/s of pair rows read).
+# In the engine's decoder it also adds the layer's residual stream (ResidualInTopKSumLayer), rounded as torch adds two
+# BF16 tensors: one more row read a token, instead of a launch that reads two rows and writes one (0.16 ms of a
+# 517-token forward's GPU work and 1.8 ms of a 16-record one on an H100, 2026-12-07).
 TOP_K_SUM_TOKENS = 8  # tokens per program
 TOP_K_SUM_COLUMNS = 256  # hidden columns per program
 
@@ -891,9 +894,10 @@ TOP_K_SUM_COLUMNS = 256  # hidden columns per program
 def sum_top_k_kernel(
     pair_outputs_ptr,  # BF16 [S, H]: the down kernel's output, pair token * K + k
     real_tokens_ptr,  # int32 [1]: the tokens before the padding (read when PADDED)
+    residual_ptr,  # BF16 [T, H]: added to each token's sum (read when RESIDUAL)
     token_outputs_ptr,  # BF16 [T, H]: out
     num_tokens, hidden,
-    TOP_K: tl.constexpr, PADDED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, PADDED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     columns = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -906,19 +910,26 @@ def sum_top_k_kernel(
         pair_rows = tokens.to(tl.int64) * TOP_K + k
         total += tl.load(pair_outputs_ptr + pair_rows[:, None] * hidden + columns[None, :], mask=real,
                          other=0.0).to(tl.float32)
-    tl.store(token_outputs_ptr + tokens.to(tl.int64)[:, None] * hidden + columns[None, :],
-             _round_to_bf16(total), mask=in_range)
+    token_rows = tokens.to(tl.int64)[:, None] * hidden + columns[None, :]  # [BT, BH]
+    token_outputs = _round_to_bf16(total)
+    if RESIDUAL:  # the residual plus the rounded sum, rounded again: torch's BF16 add of the two
+        residual = tl.load(residual_ptr + token_rows, mask=in_range, other=0.0).to(tl.float32)
+        token_outputs = _round_to_bf16(residual + token_outputs.to(tl.float32))
+    tl.store(token_outputs_ptr + token_rows, token_outputs, mask=in_range)
 
 
-def sum_top_k(pair_outputs: torch.Tensor, top_k: int, real_tokens: torch.Tensor | None) -> torch.Tensor:
+def sum_top_k(pair_outputs: torch.Tensor, top_k: int, real_tokens: torch.Tensor | None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """pair_outputs [S, H] -> each token's sum of its K pair outputs [T, H]; zeros for the tokens from real_tokens on
-    (int32 [1] on the device, or None: every token is real), whose pair outputs are never read."""
+    (int32 [1] on the device, or None: every token is real), whose pair outputs are never read. residual [T, H] (or
+    None): added to the sums, as the decoder layer adds its residual stream to the MoE block's output."""
     num_pairs, hidden = pair_outputs.shape
     num_tokens = num_pairs // top_k
     token_outputs = pair_outputs.new_empty(num_tokens, hidden)  # [T, H]
     sum_top_k_kernel[(triton.cdiv(num_tokens, TOP_K_SUM_TOKENS), triton.cdiv(hidden, TOP_K_SUM_COLUMNS))](
-        pair_outputs, pair_outputs if real_tokens is None else real_tokens, token_outputs, num_tokens, hidden,
-        TOP_K=top_k, PADDED=real_tokens is not None, BLOCK_T=TOP_K_SUM_TOKENS,
+        pair_outputs, pair_outputs if real_tokens is None else real_tokens,
+        pair_outputs if residual is None else residual.contiguous(), token_outputs, num_tokens, hidden,
+        TOP_K=top_k, PADDED=real_tokens is not None, RESIDUAL=residual is not None, BLOCK_T=TOP_K_SUM_TOKENS,
         BLOCK_H=min(TOP_K_SUM_COLUMNS, triton.next_power_of_2(hidden)), num_warps=4,
     )
     return token_outputs
@@ -1826,15 +1837,19 @@ class PackedNVFP4Experts(torch.nn.Module):
     # The engine compiles the decoder layers around this module (PackedTextDecoder.compile_layers); these kernels are
     # launched by hand with tiles chosen from the token count, so torch.compile leaves them out of its graphs.
     @torch.compiler.disable
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                residual: torch.Tensor | None = None):
+        # hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]; plus residual [T, H] where given (the
+        # decoder layer's residual add, which the packed kernels' top-k sum does: ResidualInTopKSumLayer)
         if self.kernels == "gluon":
-            return self.forward_fragments(hidden_states, top_k_index, top_k_weights)
+            return self.forward_fragments(hidden_states, top_k_index, top_k_weights, residual)
         if self.kernels == "triton":
-            return self.forward_packed(hidden_states, top_k_index, top_k_weights)
+            return self.forward_packed(hidden_states, top_k_index, top_k_weights, residual)
         if self.kernels == "native":
-            return self.forward_native(hidden_states, top_k_index, top_k_weights)
-        return self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
+            out = self.forward_native(hidden_states, top_k_index, top_k_weights)
+        else:
+            out = self.forward_unpacked(hidden_states, top_k_index, top_k_weights)
+        return out if residual is None else residual + out
 
     def kernels_gate_up_input(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor):
         """The gate_up kernels' input and its pairs per row: the hidden states [T, H] (K pairs a row); under W4A4
@@ -1846,8 +1861,10 @@ class PackedNVFP4Experts(torch.nn.Module):
             return round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale[:1]), top_k_index.shape[1]
         return round_activations_to_nvfp4(hidden_states, self.gate_up_input_scale, top_k_index), 1
 
-    def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum."""
+    def forward_packed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                       residual: torch.Tensor | None = None):
+        """The packed-expert kernels: route, gate_up with SiLU * up fused, down with the routing weight, top-k sum
+        (plus residual, where given)."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, EXPERT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
@@ -1872,11 +1889,12 @@ class PackedNVFP4Experts(torch.nn.Module):
             pair_outputs, self.num_experts, self.hidden, self.width, ROUTED_ROWS=tiles.rows,
             BLOCK_R=down_rows, BLOCK_N=down_columns, BLOCK_C=fitted_block(tiles.reduced, self.width), **common,
         )
-        return sum_top_k(pair_outputs, top_k, self.real_tokens)
+        return sum_top_k(pair_outputs, top_k, self.real_tokens, residual)
 
-    def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward_fragments(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          residual: torch.Tensor | None = None):
         """The gluon kernels: route, gate_up with SiLU * up fused (under W4A4 also the down input's rounding), down
-        with the routing weight, top-k sum."""
+        with the routing weight, top-k sum (plus residual, where given)."""
         num_tokens, top_k = top_k_index.shape
         tiles = expert_tiles(top_k_index.numel(), self.num_experts, FRAGMENT_TILES)
         pair_outputs = hidden_states.new_empty(num_tokens * top_k, self.hidden)  # [S, H]
@@ -1901,7 +1919,7 @@ class PackedNVFP4Experts(torch.nn.Module):
             tile_columns_done, self.num_experts, self.hidden, self.width, SLAB_PAIRS=slab_pairs, launch_pdl=True,
             **common,
         )
-        return sum_top_k(pair_outputs, top_k, self.real_tokens)
+        return sum_top_k(pair_outputs, top_k, self.real_tokens, residual)
 
     def forward_native(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """FP4 tensor cores, W4A4: the pairs sorted by expert, the gate_up input quantized with the calibrated input
@@ -3469,11 +3487,14 @@ class PackedTextDecoder(torch.nn.Module):
         """torch.compile every decoder layer, for any number of tokens (dynamic shapes: one compile serves every
         bucket and the eager batches). Inductor fuses what transformers runs as many small kernels: the RMSNorms, the
         q/k norms and rotary embedding, the residual adds. The router's softmax, top-k and renormalisation, which it
-        cannot fuse around torch.topk, become one kernel (FusedTopKRouter), and the attention's q, k and v
-        projections, which it leaves as three, one matrix product (FusedQKVAttention). The packed experts' own
-        kernels stay outside its graphs (PackedNVFP4Experts.forward). The compile happens in the first forward,
-        which `capture_graphs` runs before capturing."""
-        for layer in self.decoder.layers:
+        cannot fuse around torch.topk, become one kernel (FusedTopKRouter), the attention's q, k and v
+        projections, which it leaves as three, one matrix product (FusedQKVAttention), and the residual add after
+        the MoE block, which it would launch on its own, part of the experts' top-k sum (ResidualInTopKSumLayer). The
+        packed experts' own kernels stay outside its graphs (PackedNVFP4Experts.forward). The compile happens in the
+        first forward, which `capture_graphs` runs before capturing."""
+        for index, layer in enumerate(self.decoder.layers):
+            if ResidualInTopKSumLayer.fusable(layer):
+                layer = self.decoder.layers[index] = ResidualInTopKSumLayer(layer)
             router = getattr(layer.mlp, "gate", None)
             if type(router).__name__ == "Qwen3OmniMoeThinkerTextTopKRouter" and router.weight.is_cuda:
                 layer.mlp.gate = FusedTopKRouter(router)  # on CUDA: on CPU the kernel would run interpreted
@@ -3702,6 +3723,42 @@ class FusedQKVAttention(torch.nn.Module):
         output, weights = attend(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
                                  sliding_window=attention.sliding_window, **kwargs)  # [B, T, Hq, D]
         return attention.o_proj(output.reshape(*tokens_shape, -1).contiguous()), weights
+
+
+class ResidualInTopKSumLayer(torch.nn.Module):
+    """Stands in for transformers' Qwen3-Omni text decoder layer (Qwen3OmniMoeThinkerTextDecoderLayer) whose MoE block
+    has packed experts, in the compiled decoder, with its forward signature, its modules (under the same names, so the
+    model's state is named as before) and its maths, but the residual add after the MoE block done by the experts
+    (PackedNVFP4Experts.forward's residual; the packed kernels' top-k sum adds it in the same launch). transformers'
+    layer adds it after the MoE block returns, in a launch of its own outside the compiled graphs."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+
+    @staticmethod
+    def fusable(layer: torch.nn.Module) -> bool:
+        """Whether `layer` is transformers' Qwen3-Omni text decoder layer with a sparse MoE block of packed experts."""
+        return (type(layer).__name__ == "Qwen3OmniMoeThinkerTextDecoderLayer"
+                and type(layer.mlp).__name__ == "Qwen3OmniMoeThinkerTextSparseMoeBlock"
+                and isinstance(layer.mlp.experts, PackedNVFP4Experts))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None, use_cache: bool | None = False,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        # hidden_states [B, T, H] -> [B, T, H]
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+            **kwargs)
+        hidden_states = residual + hidden_states
+        # the sparse MoE block's forward, on the tokens' rows [B T, H], with the residual add after it
+        residual = hidden_states.view(-1, hidden_states.shape[-1])  # [B T, H]
+        normed = self.post_attention_layernorm(hidden_states).view(residual.shape)  # [B T, H]
+        _, top_k_weights, top_k_index = self.mlp.gate(normed)  # [B T, K] each
+        return self.mlp.experts(normed, top_k_index, top_k_weights, residual=residual).view(hidden_states.shape)
 
 
 class HostEmbedding(torch.nn.Module):

@@ -660,6 +660,36 @@ def test_compiled_layers_answer_as_transformers_own_decoder(stock_loaded):
         assert largest_difference(answers, reference["answers"]) <= ANSWER_NOISE
 
 
+@pytest.mark.parametrize("expert_kernels", ["triton", "unpack"])
+def test_the_residual_added_by_the_experts_gives_transformers_decoder_layer_bit_for_bit(stock_loaded, expert_kernels,
+                                                                                       monkeypatch):
+    """ResidualInTopKSumLayer against transformers' own decoder layer on the same modules: the residual add after the
+    MoE block, done by the packed experts (the Triton kernels' top-k sum, here interpreted, with a bucket's padding
+    past the real tokens; or torch's add after the unpacked experts), gives the layer's output bit for bit."""
+    text_model = stock_loaded.model.thinker.model.language_model  # transformers' own, as the fixture put it back
+    layer = text_model.layers[1]
+    assert serve_clef.ResidualInTopKSumLayer.fusable(layer)
+    stand_in = serve_clef.ResidualInTopKSumLayer(layer)
+    assert dict(stand_in.named_parameters()) == dict(layer.named_parameters())  # the same weights, the same names
+    num_tokens = 40
+    monkeypatch.setattr(layer.mlp.experts, "kernels", expert_kernels)
+    if expert_kernels == "triton":  # the last 3 tokens a bucket's padding, whose pairs are routed nowhere
+        monkeypatch.setattr(layer.mlp.experts, "real_tokens", torch.tensor([num_tokens - 3], dtype=torch.int32))
+    generator = torch.Generator().manual_seed(5)
+    # small, as a residual stream is next to this random model's MoE outputs, so that both shape each sum's bits
+    hidden_states = (torch.randn(1, num_tokens, text_model.config.hidden_size, generator=generator)
+                     * 0.05).to(torch.bfloat16)
+    positions = torch.arange(num_tokens).expand(3, 1, num_tokens)
+    position_embeddings = text_model.rotary_emb(hidden_states, positions)
+    with torch.inference_mode():
+        expected = layer(hidden_states, position_embeddings=position_embeddings)
+        got = stand_in(hidden_states, position_embeddings=position_embeddings)
+        moe_output = expected - (hidden_states + layer.self_attn(layer.input_layernorm(hidden_states),
+                                                                 position_embeddings, None)[0])
+    assert moe_output.abs().max() > 0.1 * hidden_states.abs().max()  # the experts' share is not lost in rounding
+    assert got.shape == expected.shape and torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 def test_a_batch_with_an_image_leaves_no_features_behind(loaded, png_bytes):
     """Deepstack features sit in a static buffer that every bucket shares: a text answered after a batch whose image
     tokens lie past the next batch's smaller bucket answers bit for bit as it did before them."""

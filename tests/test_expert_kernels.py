@@ -316,10 +316,15 @@ def test_top_k_sum_equals_the_formula_bit_for_bit(num_tokens, top_k, hidden, rea
                     * 10.0 ** torch.randint(-3, 4, (num_tokens * top_k, 1), generator=generator)).to(torch.bfloat16)
     real = num_tokens if real_tokens is None else min(real_tokens, num_tokens)
     pair_outputs[real * top_k:] = torch.nan
-    summed = serve_clef.sum_top_k(pair_outputs, top_k,
-                                  None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32))
+    real_tokens = None if real_tokens is None else torch.tensor([real_tokens], dtype=torch.int32)
+    summed = serve_clef.sum_top_k(pair_outputs, top_k, real_tokens)
+    expected = reference_top_k_sum(pair_outputs, top_k, real)
     assert summed.shape == (num_tokens, hidden) and summed.dtype == torch.bfloat16
-    assert torch.equal(summed.view(torch.int16), reference_top_k_sum(pair_outputs, top_k, real).view(torch.int16))
+    assert torch.equal(summed.view(torch.int16), expected.view(torch.int16))
+    # with the decoder layer's residual added (ResidualInTopKSumLayer): torch's BF16 add of the two, padding included
+    residual = (torch.randn(num_tokens, hidden, generator=generator) * 10.0).to(torch.bfloat16)
+    with_residual = serve_clef.sum_top_k(pair_outputs, top_k, real_tokens, residual)
+    assert torch.equal(with_residual.view(torch.int16), (residual + expected).view(torch.int16))
 
 
 def tiny_packed_experts(power_of_two_global_scales: bool, seed: int = 0) -> serve_clef.PackedNVFP4Experts:
