@@ -127,6 +127,7 @@ def profiled(run) -> dict:
     return {
         "gpu_busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1000, 2),
         "kernel_launches": sum(e.count for e in kernels),
+        "kernels": [(e.key[:70], round(e.self_device_time_total / 1000, 3), e.count) for e in kernels],
         "top_kernels": [(e.key[:70], round(e.self_device_time_total / 1000, 2), e.count)
                         for e in kernels[:KERNELS_REPORTED]],
         "top_host_operators": [(e.key[:70], round(e.self_cpu_time_total / 1000, 2), e.count)

@@ -87,6 +87,7 @@ def main() -> int:
                         "gpu_busy_ms": profile["gpu_busy_ms"], "launches": profile["kernel_launches"],
                         "top_kernels": profile["top_kernels"][:12]}
         print(name, case, json.dumps(report[case]), flush=True)
+        report[case]["kernels"] = profile["kernels"]  # every kernel, in the saved report only
     # lone decisions on new texts, each timed once (seeds apart from text_cases' and from check_engine_gpu.py's)
     tokenizer = loaded.processor.tokenizer
     decide = lambda request: serve_clef.decide(loaded, request, args.max_length)  # noqa: E731
