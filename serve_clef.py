@@ -3564,11 +3564,14 @@ class FusedTopKRouter(torch.nn.Module):
 # The q and k norms (transformers' RMSNorm over each head's D values) and the rotary embedding, for every head of the
 # fused q, k, v product's output, in one launch that reads each row once. Inductor's two kernels for them took 0.45 ms
 # of a 517-token forward's GPU work and 4.5 ms of a 16-record one on an H100, this one 0.31 and 3.69 ms with a head a
-# program (2026-12-07, docs/benchmarks.md). A program takes several heads of its tokens, all queries' or all keys', so
-# that it reads their cos and sin once rather than once a head. It rounds to BF16 where transformers' eager BF16
-# maths rounds (the norm's product by its weight, each rotary product and their sum).
+# program (2026-12-07, docs/benchmarks.md). In a forward of many tokens a program takes two heads of its tokens, both
+# queries' or both keys', so that it reads their cos and sin once for both: alone on an H100 (2026-12-07,
+# bench/sweep_norm_rotate_heads.py) that took 5-8% off from 1,024 to 7,957 tokens, and two heads were within 2% of
+# four; below 1,024 tokens fewer programs left the GPU emptier and cost 2-10% (four heads: 22% at 517 tokens). It
+# rounds to BF16 where transformers' eager BF16 maths rounds (the norm's product by its weight, each rotary product
+# and their sum), and gives the same bits whatever the heads a program.
 NORM_ROTATE_TOKENS = 16  # tokens a program
-NORM_ROTATE_HEADS = 4  # the most heads a program: the model's 32 query and 4 key heads make 9 programs a token block
+NORM_ROTATE_HEADS = ((1024, 2), (0, 1))  # (from this many tokens, heads a program), the first that applies
 
 
 @triton.jit(do_not_specialize=["num_tokens", "qkv_stride"])
@@ -3630,7 +3633,8 @@ def norm_rotate_query_key(qkv: torch.Tensor, query_norm_weight: torch.Tensor, ke
     query, key = norm_rotate_query_key_outputs(qkv, query_norm_weight, key_norm_weight, cos, sin, eps, query_heads,
                                                key_heads)
     num_tokens, head_dim = qkv.shape[0], query_norm_weight.shape[0]
-    heads = math.gcd(query_heads, key_heads, NORM_ROTATE_HEADS)  # a program's heads: all queries' or all keys'
+    heads_wanted = next(heads for least_tokens, heads in NORM_ROTATE_HEADS if num_tokens >= least_tokens)
+    heads = math.gcd(query_heads, key_heads, heads_wanted)  # a program's heads: all queries' or all keys'
     norm_rotate_query_key_kernel[(triton.cdiv(num_tokens, NORM_ROTATE_TOKENS), (query_heads + key_heads) // heads)](
         qkv, query_norm_weight, key_norm_weight, cos.contiguous(), sin.contiguous(), query, key, num_tokens,
         qkv.stride(0), eps, QUERY_HEADS=query_heads, KEY_HEADS=key_heads, HEAD_DIM=head_dim,

@@ -87,11 +87,14 @@ def test_a_kv_cache_is_refused():
         fused(hidden_states, position_embeddings, None, cache=object())
 
 
-@pytest.mark.parametrize(("query_heads", "key_heads"), [(4, 2), (8, 4)])  # 2 and 4 heads a program
-def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_them(query_heads, key_heads):
+@pytest.mark.parametrize(("query_heads", "key_heads", "heads_a_program"), [(4, 2, 1), (8, 4, 2), (8, 4, 4)])
+def test_the_norms_and_rotary_embedding_in_one_launch_as_transformers_computes_them(query_heads, key_heads,
+                                                                                   heads_a_program, monkeypatch):
     """norm_rotate_query_key (Triton's interpreter here) against transformers' own q_norm, k_norm and
     apply_rotary_pos_emb in BF16, on the model's head size (128) with real rotary angles, and the whole attention
-    with it. It rounds where eager BF16 rounds; only the order of the norm's fp32 sum of squares may differ."""
+    with it, with one or several heads a program. It rounds where eager BF16 rounds; only the order of the norm's fp32
+    sum of squares may differ."""
+    monkeypatch.setattr(serve_clef, "NORM_ROTATE_HEADS", ((0, heads_a_program),))  # at any number of tokens
     config = configuration_qwen3_omni_moe.Qwen3OmniMoeTextConfig(
         hidden_size=256, num_attention_heads=query_heads, num_key_value_heads=key_heads, head_dim=128)
     config._attn_implementation = "sdpa"
