@@ -5,12 +5,13 @@ For each: the forward as served (median of 9), torch.profiler's GPU busy time, l
 answers' option logits saved to $OUT/NAME.pt. Then lone decisions as users send them: 16 new texts of 484-544
 tokens, each decided once (`decide`, synchronised), their median. Run it once per setting or per tree (each in its
 own process: a load takes 110-150 s on an H100), then compare the saved logits. It imports the serve_clef.py of the
-tree it lies in, so to compare main's tree (extracted in base/) with this one, give base/ a copy of this script
-(and leave base/ untracked but not ignored by git: a device run's copy of the tree carries only such files).
+tree it lies in, so to compare main's tree (extracted in base/) with this one, give base/ a copy of this script and
+of profile_forward.py, whose profiles it reads (and leave base/ untracked but not ignored by git: a device run's copy
+of the tree carries only such files).
 `--after FILE` lets two processes load side by side and time one after the other: each writes $OUT/NAME.loaded once
 loaded, then waits until FILE exists, and writes $OUT/NAME.done when it has timed everything:
 
-    cp bench/time_forward.py base/bench/
+    cp bench/time_forward.py bench/profile_forward.py base/bench/
     python3 bench/time_forward.py changed --after "$OUT/go" & changed=$!
     (cd base && python3 bench/time_forward.py main --after "$OUT/changed.done") & main=$!
     until [ -e "$OUT/changed.loaded" ] && [ -e "$OUT/main.loaded" ]
