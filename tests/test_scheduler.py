@@ -97,6 +97,7 @@ def test_a_full_queue_gets_503_with_retry_after(loaded, monkeypatch):
         with ThreadPoolExecutor(max_workers=2) as pool:
             queued = [pool.submit(post, base_url, request_with_id(number)) for number in range(2)]
             assert held.started.acquire(timeout=TIMEOUT_S)
+            wait_until_queued(base_url, 2)  # the second too: sent from the pool, it may arrive after the first starts
             refused = post(base_url, request_with_id(2))
             held.go.set()
             assert all(future.result().status_code == 200 for future in queued)
