@@ -9,7 +9,9 @@ changes: with the host waiting for the decoder before it queues the head (before
 memory), with the towers' attention as transformers runs it under SDPA (a call per image, frame or audio window,
 after a host read of their lengths), and with a one-record batch replaying the graph of batches of several records
 (serve_clef's packed attention kernel; flash varlen before 2026-12-06) instead of its own (cuDNN's). torch.profiler
-then gives the GPU's busy time, the kernels launched and the host's busiest operators, also for that last baseline.
+then gives the GPU's busy time, the kernels launched and the host's busiest operators, also for that last baseline,
+and where the device idles between its first activity and its last (the idle stretches by length, the longest with
+the activities on either side).
 
 Usage: python3 bench/profile_forward.py   (writes $OUT/profile_forward.json when OUT is set)
 """
@@ -31,6 +33,30 @@ from bench_serve import media_requests, text_request  # noqa: E402
 
 HOST_OPERATORS_REPORTED = 15
 KERNELS_REPORTED = 15
+GAPS_REPORTED = 10
+
+
+def idle_gaps(device_events: list) -> dict:
+    """Where the device idles between its first activity and its last: the span, the time no kernel, copy or memset
+    ran, how many idle stretches there were by length, and the longest few with the activities on either side. Each
+    event: (name, start us, end us). Activities may overlap (a dependent launch starts before its predecessor ends):
+    an idle stretch is one that no activity covers."""
+    events = sorted(device_events, key=lambda event: event[1])
+    gaps, covered_until, before = [], events[0][2], events[0][0]
+    for name, start, end in events[1:]:
+        if start > covered_until:
+            gaps.append((start - covered_until, before, name))
+        if end >= covered_until:
+            covered_until, before = end, name
+    lengths = [gap for gap, _, _ in gaps]
+    return {
+        "span_ms": round((covered_until - events[0][1]) / 1000, 3),
+        "idle_ms": round(sum(lengths) / 1000, 3),
+        "idle_stretches_by_us": {label: sum(low <= gap < high for gap in lengths) for label, low, high in (
+            ("under 1", 0, 1), ("1-2", 1, 2), ("2-5", 2, 5), ("5-20", 5, 20), ("20 or more", 20, float("inf")))},
+        "longest": [(round(gap, 1), before[:50], after[:50])
+                    for gap, before, after in sorted(gaps, reverse=True)[:GAPS_REPORTED]],
+    }
 
 
 def synchronised_timer(function, stage: str, seconds: dict):
@@ -119,6 +145,8 @@ def profiled(run) -> dict:
     with torch.profiler.profile(activities=activities) as profile:
         run()
         torch.cuda.synchronize()
+    device_events = [(event.name, event.time_range.start, event.time_range.end) for event in profile.events()
+                     if event.device_type == torch.autograd.DeviceType.CUDA]
     events = profile.key_averages()
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total),
                      key=lambda e: -e.self_device_time_total)
@@ -127,6 +155,7 @@ def profiled(run) -> dict:
     return {
         "gpu_busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1000, 2),
         "kernel_launches": sum(e.count for e in kernels),
+        "device_idle": idle_gaps(device_events),
         "kernels": [(e.key[:70], round(e.self_device_time_total / 1000, 3), e.count) for e in kernels],
         "top_kernels": [(e.key[:70], round(e.self_device_time_total / 1000, 2), e.count)
                         for e in kernels[:KERNELS_REPORTED]],
@@ -171,6 +200,7 @@ def main() -> int:
         print(f"    GPU busy {profile['gpu_busy_ms']} ms, {profile['kernel_launches']} kernel launches"
               + (f" (one record on the batch graphs: {profile['gpu_busy_ms_one_record_on_the_batch_graphs']} ms)"
                  if len(records) == 1 else ""))
+        print("    device idle", json.dumps(profile["device_idle"]))
         for kernel in profile["top_kernels"]:
             print("    kernel", kernel)
         for operator in profile["top_host_operators"]:

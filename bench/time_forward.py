@@ -1,13 +1,13 @@
 """Time the engine's forward as served (synthetic:full): one ~516-token record and 16 records of ~500 tokens, with
 torch._inductor.config options if given, set before the load so the decoder layers' compile takes them.
 
-For each: the forward as served (median of 9), torch.profiler's GPU busy time, launches and largest kernels, and the
-answers' option logits saved to $OUT/NAME.pt. Then lone decisions as users send them: 16 new texts of 484-544
-tokens, each decided once (`decide`, synchronised), their median. Run it once per setting or per tree (each in its
-own process: a load takes 110-150 s on an H100), then compare the saved logits. It imports the serve_clef.py of the
-tree it lies in, so to compare main's tree (extracted in base/) with this one, give base/ a copy of this script and
-of profile_forward.py, whose profiles it reads (and leave base/ untracked but not ignored by git: a device run's copy
-of the tree carries only such files).
+For each: the forward as served (median of 9), torch.profiler's GPU busy time, launches, largest kernels and the
+device's idle stretches (profile_forward.idle_gaps), and the answers' option logits saved to $OUT/NAME.pt. Then lone
+decisions as users send them: 16 new texts of 484-544 tokens, each decided once (`decide`, synchronised), their
+median. Run it once per setting or per tree (each in its own process: a load takes 110-150 s on an H100), then
+compare the saved logits. It imports the serve_clef.py of the tree it lies in, so to compare main's tree (extracted
+in base/) with this one, give base/ a copy of this script and of profile_forward.py, whose profiles it reads (and
+leave base/ untracked but not ignored by git: a device run's copy of the tree carries only such files).
 `--after FILE` lets two processes load side by side and time one after the other: each writes $OUT/NAME.loaded once
 loaded, then waits until FILE exists, and writes $OUT/NAME.done when it has timed everything:
 
@@ -86,6 +86,7 @@ def main() -> int:
         profile = profiled(lambda: serve_clef.score_records(loaded, records))
         report[case] = {"as_served_ms": unsynchronised_milliseconds(loaded, records, repeats=9),
                         "gpu_busy_ms": profile["gpu_busy_ms"], "launches": profile["kernel_launches"],
+                        "device_idle": profile["device_idle"],
                         "top_kernels": profile["top_kernels"][:12]}
         print(name, case, json.dumps(report[case]), flush=True)
         report[case]["kernels"] = profile["kernels"]  # every kernel, in the saved report only
