@@ -40,7 +40,10 @@ def idle_gaps(device_events: list) -> dict:
     """Where the device idles between its first activity and its last: the span, the time no kernel, copy or memset
     ran, how many idle stretches there were by length, and the longest few with the activities on either side. Each
     event: (name, start us, end us). Activities may overlap (a dependent launch starts before its predecessor ends):
-    an idle stretch is one that no activity covers."""
+    an idle stretch is one that no activity covers. None where the profiler recorded no device activity (no CUPTI),
+    so that the run's other figures are still reported."""
+    if not device_events:
+        return None
     events = sorted(device_events, key=lambda event: event[1])
     gaps, covered_until, before = [], events[0][2], events[0][0]
     for name, start, end in events[1:]:
