@@ -3,7 +3,7 @@
 Both run the same random full-size weights (128 experts, hidden 2048, width 768, top-8), each version in a layer of
 its own class (as it keeps them), on the same routed inputs, each as served (its own tile tables) and captured in a
 CUDA graph, as the engine runs a layer: the Triton kernels, and on a Hopper GPU the gluon kernels (the layer's codes
-then in fragment order). First, each version's output is compared with the unpack path on a layer with power-of-two
+then in fragment order); and whether the two versions' outputs agree bit for bit on each timed input. First, each version's output is compared with the unpack path on a layer with power-of-two
 global scales, where every weight is exact in BF16 on both paths: a mean error above 1e-4 of the mean output counts
 as a failure (the exit status).
 
@@ -33,7 +33,7 @@ def main() -> int:
     other = check_expert_kernels.other_version(other_path)
     kernel_sets = KERNEL_SETS if torch.cuda.get_device_capability() == (9, 0) else {"triton": KERNEL_SETS["triton"]}
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "other": str(other_path),
-              "exact": {}, "milliseconds": {}}
+              "exact": {}, "milliseconds": {}, "bit_identical": {}}
     failures = 0
 
     for kernels, (method, fragment_order) in kernel_sets.items():
@@ -65,8 +65,12 @@ def main() -> int:
             row = {name: check_expert_kernels.graph_ms(lambda layer=layer: getattr(layer, method)(*inputs))
                    for name, layer in layers.items()}
             report["milliseconds"].setdefault(num_tokens, {}).update(row)
-            print(f"{num_tokens:5} tokens: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in row.items()),
-                  flush=True)
+            # a change that only reorganises the launches (not the sums) should leave every bit as it was
+            outputs = [getattr(layer, method)(*inputs) for layer in layers.values()]
+            identical = torch.equal(*outputs)
+            report["bit_identical"].setdefault(num_tokens, {})[kernels] = identical
+            print(f"{num_tokens:5} tokens: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in row.items())
+                  + f"; outputs {'identical' if identical else 'differ'} bit for bit", flush=True)
         del layers
 
     if os.environ.get("OUT"):
