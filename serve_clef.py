@@ -669,7 +669,10 @@ def nvfp4_down_kernel(
 # from torch's softmax in a probability's last bits, and the K chosen are summed in another order, so the weights
 # may differ from transformers' by one BF16 unit in the last place, and experts a few fp32 ulps apart may swap
 # (bench/check_engine_gpu.py counts both on the GPU).
-ROUTER_TOKENS = 32  # tokens a program
+# Eight tokens a program: the launch is short of programs, not of work (a 576-token bucket gave 32 tokens a program
+# 18 programs on 132 SMs); on an H100 48 layers' launches took 0.13 instead of 0.24 ms at 512 rows, the same or less
+# from 64 to 8,192 rows, with the same bits (docs/benchmarks.md, 2026-12-07 22:37).
+ROUTER_TOKENS = 8  # tokens a program
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
