@@ -3,9 +3,9 @@
 Both run the same random full-size weights (128 experts, hidden 2048, width 768, top-8), each version in a layer of
 its own class (as it keeps them), on the same routed inputs, each as served (its own tile tables) and captured in a
 CUDA graph, as the engine runs a layer: the Triton kernels, and on a Hopper GPU the gluon kernels (the layer's codes
-then in fragment order); and whether the two versions' outputs agree bit for bit on each timed input. First, each version's output is compared with the unpack path on a layer with power-of-two
-global scales, where every weight is exact in BF16 on both paths: a mean error above 1e-4 of the mean output counts
-as a failure (the exit status).
+then in fragment order); and whether the two versions' outputs agree bit for bit on each timed input. First, each
+version's output is compared with the unpack path on a layer with power-of-two global scales, where every weight is
+exact in BF16 on both paths: a mean error above 1e-4 of the mean output counts as a failure (the exit status).
 
 Usage: git show REV:serve_clef.py > bench/other_serve_clef.py
        python3 bench/compare_expert_kernels.py bench/other_serve_clef.py   (writes $OUT/compare_expert_kernels.json)
