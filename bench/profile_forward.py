@@ -36,7 +36,7 @@ KERNELS_REPORTED = 15
 GAPS_REPORTED = 10
 
 
-def idle_gaps(device_events: list) -> dict:
+def idle_gaps(device_events: list) -> dict | None:
     """Where the device idles between its first activity and its last: the span, the time no kernel, copy or memset
     ran, how many idle stretches there were by length, and the longest few with the activities on either side. Each
     event: (name, start us, end us). Activities may overlap (a dependent launch starts before its predecessor ends):
