@@ -1247,10 +1247,12 @@ def _ring_step(ring, step, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, reduced, BLOCK_R: gl.constexpr,
+def _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, rows_ready, num_steps, reduced, BLOCK_R: gl.constexpr,
                        STAGES: gl.constexpr):
     """A slab's weights (pointers to step 0, from _fragment_step_pointers) times a tile's R rows of activations
-    (rows_ptr [R, 64] at step 0) over `num_steps` steps -> the fp32 products [64 slab rows, R].
+    (rows_ptr [R, 64] at step 0) over `num_steps` steps -> the fp32 products [64 slab rows, R]. rows_ready: the
+    (tile_columns_done_ptr, tile, columns) to wait on (_wait_for_tile_columns) before the rows are read, once the
+    first steps' codes are on their way, which do not depend on them.
 
     Step 0 is decoded and step 1's codes are in registers before the loop; each step loads step + 2's codes, issues
     its products, decodes step + 1's codes and then waits for the products, keeping their weights until then, since
@@ -1258,10 +1260,12 @@ def _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, reduc
     "Pipeline"; _paired_fragment_products overlaps them.)"""
     ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
     DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+    first_codes = _load_fragment_step(words_ptr, scales_ptr, reduced, 0)
+    codes = _load_fragment_step(words_ptr, scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    _wait_for_tile_columns(*rows_ready)
     ring = _start_fragment_ring(rows_ptr, None, BLOCK_R, STAGES)
     out = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
-    weights = _decode_fragment_step(*_load_fragment_step(words_ptr, scales_ptr, reduced, 0), slices, DOT_A)
-    codes = _load_fragment_step(words_ptr, scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    weights = _decode_fragment_step(*first_codes, slices, DOT_A)
     for step in range(num_steps):
         next_codes = _load_fragment_step(words_ptr, scales_ptr, reduced, gl.minimum(step + 2, num_steps - 1))
         out = warpgroup_mma(weights, _ring_step(ring, step, STAGES), out, is_async=True)
@@ -1275,7 +1279,8 @@ def _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, reduc
 
 @gluon.jit
 def _paired_fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr, slices,
-                              rows_ptr, rows_mask, num_steps, reduced, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+                              rows_ptr, rows_mask, rows_ready, num_steps, reduced, BLOCK_R: gl.constexpr,
+                              STAGES: gl.constexpr):
     """Two slabs' weights times the same R rows of activations -> their fp32 products [64 slab rows, R] each, the
     products issued in turn so that each slab's weights are decoded while the other slab's products run: step s's
     second-slab weights during the first slab's step s, step s + 1's first-slab weights during the second slab's step
@@ -1286,18 +1291,21 @@ def _paired_fragment_products(first_words_ptr, first_scales_ptr, second_words_pt
 
     The first slab runs one half-step ahead: its step 0 is issued before the loop, the loop runs steps 0 to n - 2 (the
     second slab's s, the first slab's s + 1) and the second slab's last step follows it. A slot is refilled once both
-    slabs' products of its step are done (the waits retire products in order)."""
+    slabs' products of its step are done (the waits retire products in order). rows_ready: as for _fragment_products,
+    or None when the rows are ready already (gate_up's hidden states)."""
     ACCUMULATOR: gl.constexpr = fragment_accumulator_layout(BLOCK_R)
     DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACCUMULATOR, k_width=2)
+    first_step_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0)
+    second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0)
+    first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
+    if rows_ready is not None:
+        _wait_for_tile_columns(*rows_ready)
     ring = _start_fragment_ring(rows_ptr, rows_mask, BLOCK_R, STAGES)
     first = gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR)  # [64 slab rows, R slots]
     # an accumulator as the loop carries it (an asynchronous product's), though no product is in flight yet
     second = warpgroup_mma_init(gl.zeros([FRAGMENT_ROWS, BLOCK_R], gl.float32, ACCUMULATOR))
-    first_weights = _decode_fragment_step(*_load_fragment_step(first_words_ptr, first_scales_ptr, reduced, 0),
-                                          slices, DOT_A)
+    first_weights = _decode_fragment_step(*first_step_codes, slices, DOT_A)
     second_weights = gl.zeros([FRAGMENT_ROWS, FRAGMENT_STEP], gl.bfloat16, DOT_A)  # no second-slab product yet
-    second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, 0)
-    first_codes = _load_fragment_step(first_words_ptr, first_scales_ptr, reduced, gl.minimum(1, num_steps - 1))
     first = warpgroup_mma(first_weights, _ring_step(ring, 0, STAGES), first, is_async=True)
     for step in range(num_steps - 1):
         next_second_codes = _load_fragment_step(second_words_ptr, second_scales_ptr, reduced, step + 1)
@@ -1334,15 +1342,23 @@ def _tile_pairs(slot_pairs_ptr, tile, BLOCK_R: gl.constexpr):
 
 
 @gluon.jit
-def _run_tile(tile_work: gl.constexpr, args, slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+def _tile_fill(slot_pairs_ptr, tile, BLOCK_R: gl.constexpr, SMALLEST_ROWS: gl.constexpr):
+    """_tile_pairs where _run_tile needs it (tiles that may multiply fewer slots), else BLOCK_R; loaded beside the
+    tile's expert at a program's start, so that the two loads wait together rather than one after the other."""
+    if SMALLEST_ROWS == BLOCK_R:
+        return BLOCK_R
+    return _tile_pairs(slot_pairs_ptr, tile, BLOCK_R)
+
+
+@gluon.jit
+def _run_tile(tile_work: gl.constexpr, args, filled, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
               SMALLEST_ROWS: gl.constexpr):
-    """tile_work(*args, BLOCK_R, N, STAGES) on the fewest first slots of routed tile `tile` that hold its pairs,
-    N = BLOCK_R, BLOCK_R/2 or BLOCK_R/4, down to SMALLEST_ROWS: the products' cost grows with their N. Gate_up and
-    down count the same pairs, so down reads exactly the slots gate_up wrote."""
+    """tile_work(*args, BLOCK_R, N, STAGES) on the fewest first slots of a routed tile that hold its `filled` pairs
+    (_tile_fill), N = BLOCK_R, BLOCK_R/2 or BLOCK_R/4, down to SMALLEST_ROWS: the products' cost grows with their N.
+    Gate_up and down count the same pairs, so down reads exactly the slots gate_up wrote."""
     if SMALLEST_ROWS == BLOCK_R:
         tile_work(*args, BLOCK_R, BLOCK_R, STAGES)
     else:
-        filled = _tile_pairs(slot_pairs_ptr, tile, BLOCK_R)
         if filled * 2 > BLOCK_R:
             tile_work(*args, BLOCK_R, BLOCK_R, STAGES)
         elif SMALLEST_ROWS == BLOCK_R // 2:
@@ -1378,7 +1394,8 @@ def _gate_up_tile(hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_s
     rows_ptr = hidden_states_ptr + tokens[:, None] * hidden + copy_columns[None, :]  # [R, 64]
     rows_mask = gl.broadcast((pairs >= 0)[:, None], copy_columns[None, :] >= 0)
     gate, up = _paired_fragment_products(gate_words_ptr, gate_scales_ptr, up_words_ptr, up_scales_ptr, slices,
-                                         rows_ptr, rows_mask[0] & rows_mask[1], num_steps, hidden, BLOCK_R, STAGES)
+                                         rows_ptr, rows_mask[0] & rows_mask[1], None, num_steps, hidden, BLOCK_R,
+                                         STAGES)
     # the epilogue of nvfp4_gate_up_kernel: BF16 where transformers rounds, on [64 columns, R slots]
     gate = (gate * (gl.load(global_scale_ptr + 2 * expert) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
     up = (up * (gl.load(global_scale_ptr + 2 * expert + 1) * DECODED_WEIGHT_DIVISOR)).to(gl.bfloat16)
@@ -1455,10 +1472,11 @@ def nvfp4_gate_up_fragment_kernel(
     slab_column, tile = gl.program_id(0), gl.program_id(1)
     _allow_dependent_launch()
     expert = gl.load(tile_experts_ptr + tile)
+    filled = _tile_fill(slot_pairs_ptr, tile, BLOCK_R, SMALLEST_ROWS)
     if expert < num_experts:
         args = (hidden_states_ptr, slot_pairs_ptr, fragment_words_ptr, block_scales_ptr, global_scale_ptr,
                 down_input_scale_ptr, intermediate_ptr, expert, tile, slab_column, hidden, width, pairs_per_row)
-        _run_tile(_gate_up_tile, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
+        _run_tile(_gate_up_tile, args, filled, BLOCK_R, STAGES, SMALLEST_ROWS)
         _count_tile_column_done(tile_columns_done_ptr, tile)
 
 
@@ -1496,15 +1514,16 @@ def _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS: gl.constexpr, BLOCK_R: gl.
 
 @gluon.jit
 def _down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-               global_scale_ptr, pair_outputs_ptr, expert, tile, slab, hidden, width,
+               global_scale_ptr, pair_outputs_ptr, tile_columns_done_ptr, expert, tile, slab, hidden, width,
                TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
     """nvfp4_down_fragment_kernel's work on output slab `slab` and the first BLOCK_R slots of routed tile `tile`
-    (TILE_ROWS slots)."""
+    (TILE_ROWS slots), its rows read once gate_up has written them all (tile_columns_done)."""
     num_steps = width // FRAGMENT_STEP
     words_ptr, scales_ptr, slices = _fragment_step_pointers(
         fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab, num_steps, width)
     rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
-    out = _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, num_steps, width, BLOCK_R, STAGES)
+    rows_ready = (tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
+    out = _fragment_products(words_ptr, scales_ptr, slices, rows_ptr, rows_ready, num_steps, width, BLOCK_R, STAGES)
     pairs = _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS, BLOCK_R)
     _store_pair_outputs(out, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
                         BLOCK_R)
@@ -1512,8 +1531,8 @@ def _down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_w
 
 @gluon.jit
 def _paired_down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-                      global_scale_ptr, pair_outputs_ptr, expert, tile, slab_pair, hidden, width,
-                      TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+                      global_scale_ptr, pair_outputs_ptr, tile_columns_done_ptr, expert, tile, slab_pair, hidden,
+                      width, TILE_ROWS: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
     """_down_tile on output slabs 2 slab_pair and 2 slab_pair + 1, their products in turn."""
     num_steps = width // FRAGMENT_STEP
     slab = 2 * slab_pair
@@ -1522,8 +1541,9 @@ def _paired_down_tile(intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fra
     second_words_ptr, second_scales_ptr, _ = _fragment_step_pointers(
         fragment_words_ptr, block_scales_ptr, expert * (hidden // FRAGMENT_ROWS) + slab + 1, num_steps, width)
     rows_ptr = _down_tile_rows(intermediate_ptr, tile, width, TILE_ROWS, BLOCK_R)
+    rows_ready = (tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
     first, second = _paired_fragment_products(first_words_ptr, first_scales_ptr, second_words_ptr, second_scales_ptr,
-                                              slices, rows_ptr, None, num_steps, width, BLOCK_R, STAGES)
+                                              slices, rows_ptr, None, rows_ready, num_steps, width, BLOCK_R, STAGES)
     pairs = _down_tile_pairs(slot_pairs_ptr, tile, TILE_ROWS, BLOCK_R)
     _store_pair_outputs(first, slab, pairs, expert, routing_weights_ptr, global_scale_ptr, pair_outputs_ptr, hidden,
                         BLOCK_R)
@@ -1552,13 +1572,14 @@ def nvfp4_down_fragment_kernel(
     # docs/benchmarks.md)
     slab_group, tile = gl.program_id(0), gl.program_id(1)
     expert = gl.load(tile_experts_ptr + tile)
+    filled = _tile_fill(slot_pairs_ptr, tile, BLOCK_R, SMALLEST_ROWS)
     if expert < num_experts:
-        # launched while gate_up may still run (programmatic dependent launch): wait for the tile's columns
-        _wait_for_tile_columns(tile_columns_done_ptr, tile, width // FRAGMENT_ROWS)
+        # launched while gate_up may still run (programmatic dependent launch): the tile work waits for the tile's
+        # columns, once its fill is counted and its first codes are on their way (neither depends on gate_up)
         args = (intermediate_ptr, slot_pairs_ptr, routing_weights_ptr, fragment_words_ptr, block_scales_ptr,
-                global_scale_ptr, pair_outputs_ptr, expert, tile, slab_group, hidden, width)
+                global_scale_ptr, pair_outputs_ptr, tile_columns_done_ptr, expert, tile, slab_group, hidden, width)
         tile_work: gl.constexpr = _paired_down_tile if SLAB_PAIRS else _down_tile
-        _run_tile(tile_work, args, slot_pairs_ptr, tile, BLOCK_R, STAGES, SMALLEST_ROWS)
+        _run_tile(tile_work, args, filled, BLOCK_R, STAGES, SMALLEST_ROWS)
 
 
 # ==== packed experts on FP4 tensor cores (Blackwell) ==================================================================
