@@ -3024,7 +3024,11 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # 512 tokens (coarser buckets, up to 50%, measured 66 ms at 516 tokens and 203 ms at 2,050 on an H200). Past 4,096,
 # steps of 256 rather than 512 served 16 clients of ~512 tokens over HTTP 1.2% faster on an H100 (their forwards of 8
 # records, ~4,160 tokens, had padded to 4,608; docs/benchmarks.md), for 8 more buckets' graphs at load (~6 s).
-DECODER_BUCKETS = (*range(64, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 8192 + 1, 256))  # tokens
+# One more bucket of 544 tokens: a lone record of 513-544 tokens would pad to 576, where cuBLAS picks slower tiles for
+# the attention's output projection (1.19 against 0.97 ms of 48 layers at 576 and 544 rows on an H100).
+DECODER_BUCKETS = (  # tokens
+    *range(64, 512 + 1, 64), 544, *range(576, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 8192 + 1, 256)
+)
 MAX_RECORDS_PER_FORWARD = 32  # records in one forward (the graphs' attention chunks are counted for them)
 # The text decoder's attention over a batch of several records runs in chunks of at most QUERY_CHUNK queries of one
 # record, each seeing its record's keys up to its own last query (packed_causal_attention_kernel, below). A graph's
