@@ -3366,8 +3366,8 @@ class PackedTextDecoder(torch.nn.Module):
         self.graphs = {}
         # inputs_embeds [1, L, H], position_ids [P, 1, L], the real tokens' count and then the attention's chunks
         # [1 + 2 (C + 1)], deepstack features [D, 1, L, H], hidden [1, L, H] at the largest bucket, shared by every
-        # bucket (as views of their first L tokens): the graphs never run at the same time, and 48 buckets' own copies
-        # would hold ~2.8 GiB at full size (20 KiB a token: embeddings, hidden, three deepstack rows)
+        # bucket (as views of their first L tokens): the graphs never run at the same time, and the 49 buckets' own
+        # copies would hold ~2.8 GiB at full size (20 KiB a token: embeddings, hidden, three deepstack rows)
         self.static_buffers = None
         # the packed experts' routing skips the padding's pairs while run_padded runs (PackedNVFP4Experts.real_tokens)
         self.packed_experts = [module for module in decoder.modules() if isinstance(module, PackedNVFP4Experts)]
