@@ -3025,7 +3025,8 @@ def load_from_args(args: argparse.Namespace, progress: Callable[[str], None] = p
 # steps of 256 rather than 512 served 16 clients of ~512 tokens over HTTP 1.2% faster on an H100 (their forwards of 8
 # records, ~4,160 tokens, had padded to 4,608; docs/benchmarks.md), for 8 more buckets' graphs at load (~6 s).
 # One more bucket of 544 tokens: a lone record of 513-544 tokens would pad to 576, where cuBLAS picks slower tiles for
-# the attention's output projection (1.19 against 0.97 ms of 48 layers at 576 and 544 rows on an H100).
+# the attention's output projection (48 layers' 1.17-1.21 against 0.97 ms of a 516-token forward on an H100, the same
+# bits; docs/benchmarks.md).
 DECODER_BUCKETS = (  # tokens
     *range(64, 512 + 1, 64), 544, *range(576, 1024 + 1, 64), *range(1152, 2048 + 1, 128), *range(2304, 8192 + 1, 256)
 )
